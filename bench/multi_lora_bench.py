@@ -1,0 +1,209 @@
+"""Multi-LoRA serving: 256 adapters of mixed ranks (more than fit in device slots or host cache), Zipf
+and uniform popularity, mixed lengths, in one continuous batch — vs the same requests on the base
+model alone, and vs PEFT mixed-adapter `generate` with static batches of 16 and 64.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import Target, pct, table, write_results
+from bench.engine_bench import SLO_TPOT, SLO_TTFT, Timing
+from bench.workload import BenchRequest, mixed_workload, with_poisson_arrivals
+
+N_ADAPTERS = int(os.environ.get("MPLEX_BENCH_ADAPTERS", "256"))
+N_REQUESTS = int(os.environ.get("MPLEX_BENCH_LORA_REQUESTS", "384"))
+PEFT_REQUESTS = int(os.environ.get("MPLEX_BENCH_PEFT_REQUESTS", "128"))  # PEFT is slow: a prefix of the same requests
+RATE = float(os.environ.get("MPLEX_BENCH_LORA_RATE", "6"))
+MAX_LORAS, MAX_CPU_LORAS = 64, 128
+RANKS = (4, 8, 16, 32, 64)
+TARGET_SETS = (
+    ("q_proj", "v_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("gate_proj", "up_proj", "down_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+)
+
+
+def build_adapters(kit, root: Path, n: int):
+    """n random adapters for the demo base (cached on disk across runs)."""
+    from services.common.lora_format import content_id
+    from services.engine.sequence import AdapterRef
+    from services.modelkit import make_random_adapter
+
+    refs = []
+    for i in range(n):
+        path = root / f"a{i:03d}"
+        if not (path / "adapter_model.safetensors").exists():
+            rank = RANKS[i % len(RANKS)]
+            make_random_adapter(kit.base_dir, path, rank=rank, target_modules=list(TARGET_SETS[i % len(TARGET_SETS)]),
+                                lora_alpha=2 * rank, seed=1000 + i)
+        refs.append(AdapterRef(content_id(path), f"a{i:03d}", str(path)))
+    return refs
+
+
+def assign(n: int, adapters, popularity: str, seed: int = 3):
+    rng = random.Random(seed)
+    if popularity == "uniform":
+        return [adapters[rng.randrange(len(adapters))] for _ in range(n)]
+    weights = [1 / (k + 1) ** 1.1 for k in range(len(adapters))]
+    order = list(adapters)
+    rng.shuffle(order)
+    return rng.choices(order, weights=weights, k=n)
+
+
+def _engine(kit):
+    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+    from services.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model_dir=kit.base_dir, served_model_name=kit.model_name,
+        cache=CacheConfig(memory_bytes=1024 * 2**20),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=1024),
+        lora=LoraConfig(max_loras=MAX_LORAS, max_cpu_loras=MAX_CPU_LORAS, max_lora_rank=64),
+    ))
+
+
+def _params(r: BenchRequest):
+    from services.engine.sequence import SamplingParams
+
+    return SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+
+
+def throughput(kit, reqs: list[BenchRequest], adapters: list) -> dict:
+    engine = _engine(kit)
+    engine.generate([reqs[0].prompt_ids], [_params(reqs[0])])  # warm-up
+    for i, (r, a) in enumerate(zip(reqs, adapters)):
+        engine.add_request(f"t{i}", r.prompt_ids, _params(r), adapter=a)
+    t0 = time.perf_counter()
+    tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens += len(out.new_token_ids)
+        if engine.last_plan_empty:
+            engine.wake.wait(0.01)
+            engine.wake.clear()
+    wall = time.perf_counter() - t0
+    engine.check_integrity()
+    a = engine.adapters
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall, "steps": engine.stats.steps,
+            "distinct_adapters": len({x.content_id for x in adapters if x}), "slot_loads": a.slot_loads if a else 0}
+
+
+def poisson(kit, reqs: list[BenchRequest], adapters: list) -> list[Timing]:
+    from services.engine.async_engine import AsyncEngine
+
+    engine = _engine(kit)
+
+    async def run():
+        aeng = AsyncEngine(engine)
+        aeng.start(asyncio.get_running_loop())
+        start = time.perf_counter()
+
+        async def one(i, r, a):
+            await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+            arrived = time.perf_counter()
+            first = last = None
+            n = 0
+            async for out in aeng.generate(f"p{i}", r.prompt_ids, _params(r), adapter=a):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                n += len(out.new_token_ids)
+            return Timing(first - arrived, (last - first) / max(1, n - 1), last - arrived)
+
+        try:
+            return await asyncio.gather(*(one(i, r, a) for i, (r, a) in enumerate(zip(reqs, adapters))))
+        finally:
+            aeng.shutdown()
+
+    return asyncio.run(run())
+
+
+def peft_throughput(kit, reqs: list[BenchRequest], adapters: list, bs: int) -> dict:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from bench.engine_bench import _Stamp
+
+    base = AutoModelForCausalLM.from_pretrained(kit.base_dir, dtype=torch.float32)
+    used = list(dict.fromkeys(a for a in adapters if a is not None))
+    model = PeftModel.from_pretrained(base, used[0].path, adapter_name=used[0].name)
+    for a in used[1:]:
+        model.load_adapter(a.path, adapter_name=a.name)
+    model.eval()
+    pad = kit_pad_id(model)
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), bs):
+        batch, names = reqs[i:i + bs], [a.name if a else "__base__" for a in adapters[i:i + bs]]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):
+            ids[j, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[j, width - len(r.prompt_ids):] = 1
+        longest = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad, adapter_names=names, logits_processor=LogitsProcessorList([_Stamp()]))
+    wall = time.perf_counter() - t0
+    tokens = sum(r.max_tokens for r in reqs)
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall, "requests": len(reqs)}
+
+
+def kit_pad_id(model) -> int:
+    gen = model.generation_config
+    eos = gen.eos_token_id
+    return gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+
+
+def main() -> None:
+    from services.modelkit import ensure_demo
+
+    torch.set_num_threads(int(os.environ.get("MPLEX_BENCH_THREADS", "2")))
+    kit = ensure_demo()
+    root = Path(os.environ.get("MPLEX_HOME", ".mplex")) / "bench" / "adapters"
+    refs = build_adapters(kit, root, N_ADAPTERS)
+    reqs = mixed_workload(kit, N_REQUESTS, seed=11)
+    zipf, uniform = assign(len(reqs), refs, "zipf"), assign(len(reqs), refs, "uniform")
+    print(f"workload: {len(reqs)} requests over {N_ADAPTERS} adapters (ranks {RANKS}); device slots {MAX_LORAS}, "
+          f"host cache {MAX_CPU_LORAS}; distinct adapters zipf={len(set(zipf))} uniform={len(set(uniform))}", flush=True)
+    thr = {}
+    for name, adapters in (("base_only", [None] * len(reqs)), ("lora_zipf", zipf), ("lora_uniform", uniform)):
+        thr[name] = throughput(kit, reqs, adapters)
+        print(f"  {name}: {thr[name]['output_tok_s']:.1f} tok/s", flush=True)
+    sub = reqs[:PEFT_REQUESTS]
+    for bs in (16, 64):
+        thr[f"peft_static_bs{bs}"] = peft_throughput(kit, sub, zipf[:PEFT_REQUESTS], bs)
+        print(f"  peft bs={bs}: {thr[f'peft_static_bs{bs}']['output_tok_s']:.1f} tok/s", flush=True)
+    print(table("throughput (all requests at once)", ["run", "wall s", "output tok/s"],
+                [[k, v["wall_s"], v["output_tok_s"]] for k, v in thr.items()]))
+    timed = with_poisson_arrivals(reqs, RATE, seed=5)
+    rows, poisson_figs = [], {}
+    for name, adapters in (("base_only", [None] * len(reqs)), ("lora_zipf", zipf)):
+        t = poisson(kit, timed, adapters)
+        wall = max(x.e2e + r.arrival for x, r in zip(t, timed))
+        good = sum(x.meets_slo for x in t)
+        row = [name, pct([x.ttft for x in t], 50), pct([x.ttft for x in t], 99), 1000 * pct([x.tpot for x in t], 50),
+               1000 * pct([x.tpot for x in t], 99), good / wall]
+        rows.append(row)
+        poisson_figs[name] = dict(zip(["ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s"], row[1:]))
+    print(table(f"Poisson arrivals at {RATE} req/s (SLO: TTFT <= {SLO_TTFT}s, TPOT <= {SLO_TPOT * 1000:.0f}ms)",
+                ["run", "TTFT p50", "TTFT p99", "TPOT p50 ms", "TPOT p99 ms", "goodput req/s"], rows))
+    base = thr["base_only"]["output_tok_s"]
+    best_peft = max(thr["peft_static_bs16"]["output_tok_s"], thr["peft_static_bs64"]["output_tok_s"])
+    targets = [
+        Target("LoRA (zipf) / base-only throughput", thr["lora_zipf"]["output_tok_s"] / base, 0.85),
+        Target("LoRA (uniform) / base-only throughput", thr["lora_uniform"]["output_tok_s"] / base, 0.85),
+        Target("engine LoRA (zipf) / best PEFT static batch", thr["lora_zipf"]["output_tok_s"] / best_peft, 10.0),
+    ]
+    write_results("multi_lora", {"workload": {"requests": len(reqs), "adapters": N_ADAPTERS, "ranks": RANKS,
+                                              "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS,
+                                              "peft_requests": PEFT_REQUESTS, "rate_req_s": RATE},
+                                 "throughput": thr, "poisson": poisson_figs}, targets)

@@ -1,0 +1,89 @@
+"""The platform's base model as the adapter pipeline sees it: its directory, its `base_models` row, and
+the dimensions and names uploaded adapters are checked against."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from services.common.lora_format import BaseDims
+from services.common.models import BaseModelRecord
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModel:
+    """What validation needs: the row's id, its dimensions, the rank cap, and the names adapters may give
+    in `base_model_name_or_path`."""
+
+    id: object  # uuid.UUID of the base_models row
+    name: str
+    model_dir: Path | None
+    dims: BaseDims
+    max_lora_rank: int
+    accepted_names: frozenset[str]
+
+    def accepts(self, name_or_path: str | None) -> bool:
+        """True when an adapter's `base_model_name_or_path` names this model (or says nothing)."""
+        if not name_or_path:
+            return True
+        value = str(name_or_path).strip().rstrip("/").lower()
+        return value in self.accepted_names or value.rsplit("/", 1)[-1] in self.accepted_names
+
+
+def base_model_dir(settings) -> Path:
+    """The base model's HF directory: the configured one, else the demo kit's (built on first use)."""
+    if settings.base_model_dir is not None:
+        return Path(settings.base_model_dir)
+    from services.modelkit import ensure_demo
+
+    return Path(ensure_demo(settings.home, progress=False).base_dir)
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def ensure_base_model(session: Session, *, name: str, model_dir: Path, max_lora_rank: int = 64) -> BaseModelRecord:
+    """Get or create the `base_models` row for the served base (concurrent callers agree on one row).
+    `params` holds its dimensions; a row made elsewhere without them gets them filled in."""
+    raw = read_hf_config(model_dir)
+    params = {**BaseDims.from_hf_config(raw).as_params(), "vocab_size": int(raw.get("vocab_size", 0)),
+              "max_position_embeddings": int(raw.get("max_position_embeddings", 0))}
+    if raw.get("_name_or_path"):
+        params["name_or_path"] = str(raw["_name_or_path"])
+    uri = f"file://{Path(model_dir).resolve()}"
+    session.execute(insert(BaseModelRecord).values(name=name, uri=uri, params=params, max_lora_rank=max_lora_rank)
+                    .on_conflict_do_nothing(index_elements=[BaseModelRecord.name]))
+    row = session.scalar(select(BaseModelRecord).where(BaseModelRecord.name == name))
+    assert row is not None
+    if not _has_dims(row.params):
+        row.params = {**params, **(row.params or {})}
+        session.flush()
+    return row
+
+
+def _has_dims(params: dict | None) -> bool:
+    return bool(params) and all(k in params for k in BaseDims.__slots__)
+
+
+def load_base_model(row: BaseModelRecord, *, model_dir: Path | None, max_lora_rank: int,
+                    extra_names: tuple[str, ...] = ()) -> BaseModel:
+    """The row's dimensions (its params, else the directory's config.json) and accepted names."""
+    params = row.params or {}
+    if _has_dims(params):
+        dims = BaseDims.from_params(params)
+    elif model_dir is not None:
+        dims = BaseDims.from_hf_config(read_hf_config(model_dir))
+    else:
+        raise ValueError(f"base model {row.name!r} has no dimensions in its params and no directory")
+    names = {row.name, *extra_names}
+    for value in (row.uri, str(model_dir) if model_dir else None, params.get("name_or_path")):
+        if value:
+            value = value.removeprefix("file://").rstrip("/")
+            names |= {value, value.rsplit("/", 1)[-1]}
+    return BaseModel(row.id, row.name, model_dir, dims, min(row.max_lora_rank, max_lora_rank),
+                     frozenset(n.lower() for n in names if n))

@@ -1,0 +1,73 @@
+"""Scores for the quality gate: exact match, token F1, ROUGE-L, and greedy token agreement.
+
+Text is compared as word/punctuation tokens, case-sensitively (an "uppercase" adapter must not get
+credit for lowercase answers), after trimming surrounding whitespace.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+
+def tokens(text: str) -> list[str]:
+    return _TOKEN.findall(text)
+
+
+def exact_match(output: str, expected: str) -> float:
+    return float(" ".join(output.split()) == " ".join(expected.split()))
+
+
+def token_f1(output: str, expected: str) -> float:
+    """SQuAD-style bag-of-tokens F1 (order-blind)."""
+    out, ref = tokens(output), tokens(expected)
+    if not out or not ref:
+        return float(out == ref)
+    common = sum((Counter(out) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    p, r = common / len(out), common / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(output: str, expected: str) -> float:
+    """ROUGE-L F1: longest common token subsequence (order-aware, unlike token F1)."""
+    out, ref = tokens(output), tokens(expected)
+    if not out or not ref:
+        return float(out == ref)
+    lcs = lcs_length(out, ref)
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(out), lcs / len(ref)
+    return 2 * p * r / (p + r)
+
+
+SCORERS = {"exact_match": exact_match, "token_f1": token_f1, "rouge_l": rouge_l}
+
+
+def token_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    """Greedy token agreement of two runs over the same prompts: positions holding the same token,
+    over all positions of the longer output of each pair (an output that stops early disagrees on the rest)."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        same += sum(1 for i, j in zip(x, y) if i == j)
+        total += max(len(x), len(y))
+    return same / total if total else 1.0
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

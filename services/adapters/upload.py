@@ -1,0 +1,195 @@
+"""Creating an adapter version from an upload: the one plain function behind the HTTP API, the CLI and the
+demo seed, so all three store, name, number and audit versions the same way.
+
+The upload (one archive; loose PEFT files are packed into a tar first) is unpacked into a private sandbox
+only to learn its content id and store its two files content-addressed. Nothing about the adapter is
+judged here: an upload that cannot even be unpacked is stored as-is under `uploads/<sha256>` and its
+version goes through the pipeline like any other, where validation records why it is refused.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import tarfile
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from services.adapters.archive import sniff_kind, unpack
+from services.adapters.config import PipelineConfig
+from services.adapters.evalset import EvalSetError, parse_eval_set
+from services.adapters.storage import ObjectStore, StoredObject
+from services.common.errors import InvalidRequestError, NotFoundError
+from services.common.lora_format import AdapterFormatError
+from services.common.models import Adapter, AdapterStatus, AdapterVersion, BaseModelRecord, Tenant
+from services.common.models.adapters import ADAPTER_NAME_PATTERN
+from services.gateway.crud import Actor, record_audit
+
+_NAME = re.compile(ADAPTER_NAME_PATTERN)
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    version_id: uuid.UUID
+    adapter_id: uuid.UUID
+    version: int
+    status: str
+    content_sha256: str
+    created: bool  # False: an identical version already existed and was returned (reuse_identical)
+
+    def as_response(self) -> dict:
+        return {"version_id": str(self.version_id), "adapter_id": str(self.adapter_id), "version": self.version,
+                "status": self.status}
+
+
+@contextmanager
+def private_dir(root: Path, prefix: str) -> Iterator[Path]:
+    """A fresh 0700 directory under `root`, removed with everything in it afterwards."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pack_files(files: list[tuple[str, Path]], out: Path) -> Path:
+    """Loose uploaded files as one plain tar, under the names the client gave (validation judges them)."""
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, path in files:
+            info = tarfile.TarInfo(name)  # verbatim: an absolute or '..' name must reach validation as such
+            info.size = path.stat().st_size
+            info.mode = 0o644
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    return out
+
+
+def pack_dir(adapter_dir: Path, out: Path) -> Path:
+    """A local adapter directory (the CLI, the seed) as one plain tar; symlinks stay links (and are refused)."""
+    adapter_dir = Path(adapter_dir)
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(adapter_dir.rglob("*")):
+            tar.add(path, arcname=str(path.relative_to(adapter_dir)), recursive=False)
+    return out
+
+
+def check_thresholds(min_margin: float | None, min_fp8_agreement: float | None) -> None:
+    if min_margin is not None and not -1 <= min_margin <= 1:
+        raise InvalidRequestError("min_margin must be between -1 and 1", param="min_margin")
+    if min_fp8_agreement is not None and not 0 <= min_fp8_agreement <= 1:
+        raise InvalidRequestError("min_fp8_agreement must be between 0 and 1", param="min_fp8_agreement")
+
+
+def store_upload(store: ObjectStore, upload: Path, *, config: PipelineConfig, sandbox_root: Path) -> StoredObject:
+    """The upload's two PEFT files under their content id, or (when it cannot be unpacked or identified)
+    the upload itself under `uploads/<sha256>` for the pipeline to refuse with a reason."""
+    with private_dir(sandbox_root, "identify-") as sandbox:
+        try:
+            unpacked = unpack(upload, sandbox, config.archive)
+            return store.put_version(unpacked.dir)
+        except AdapterFormatError:
+            pass
+    try:
+        suffix = "." + sniff_kind(upload)
+    except AdapterFormatError:
+        suffix = ".bin"
+    return store.put_blob(upload, "uploads", suffix)
+
+
+def upload_adapter(
+    session: Session,
+    *,
+    store: ObjectStore,
+    config: PipelineConfig,
+    sandbox_root: Path,
+    base: BaseModelRecord,
+    tenant_id: uuid.UUID,
+    name: str,
+    upload: Path,
+    actor: Actor,
+    eval_set: bytes | None = None,
+    min_margin: float | None = None,
+    min_fp8_agreement: float | None = None,
+    reuse_identical: bool = False,
+) -> UploadResult:
+    """Store the upload and create the adapter (if new) and its next version in `uploaded`; flushes, the
+    caller commits and then enqueues ingest (`services.adapters.tasks.enqueue_ingest`)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequestError("name must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a "
+                                  "letter or digit", param="name")
+    check_thresholds(min_margin, min_fp8_agreement)
+    if session.get(Tenant, tenant_id) is None:
+        raise NotFoundError("Tenant not found.")
+    eval_uri = None
+    if eval_set is not None:
+        if len(eval_set) > config.max_eval_set_bytes:
+            raise InvalidRequestError(f"the eval set is larger than {config.max_eval_set_bytes} bytes", param="eval_set",
+                                      code="invalid_eval_set")
+        try:
+            parse_eval_set(eval_set, max_items=config.max_eval_items)
+        except EvalSetError as exc:
+            raise InvalidRequestError(f"eval_set: {exc}", param="eval_set", code=exc.code) from None
+        with private_dir(sandbox_root, "evalset-") as tmp:
+            (tmp / "eval.jsonl").write_bytes(eval_set)
+            eval_uri = store.put_blob(tmp / "eval.jsonl", "evalsets", ".jsonl").uri
+    stored = store_upload(store, upload, config=config, sandbox_root=sandbox_root)
+
+    adapter = _live_adapter(session, tenant_id=tenant_id, name=name, base_model_id=base.id, actor=actor)
+    versions = list(session.scalars(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
+                                    .order_by(AdapterVersion.version)))
+    if reuse_identical:
+        same = [v for v in versions if v.content_sha256 == stored.sha256 and v.eval_set_uri == eval_uri]
+        if same:
+            v = same[-1]
+            return UploadResult(v.id, adapter.id, v.version, str(v.status), v.content_sha256, created=False)
+    number = 1 + max((v.version for v in versions), default=0)
+    version = AdapterVersion(
+        adapter_id=adapter.id, tenant_id=tenant_id, version=number, base_model_id=base.id,
+        content_sha256=stored.sha256, storage_uri=stored.uri, size_bytes=stored.size_bytes,
+        status=AdapterStatus.UPLOADED, progress_percent=0, progress_step="queued for validation",
+        eval_set_uri=eval_uri,
+        gate_config=config.gate.thresholds(min_margin=min_margin, min_fp8_agreement=min_fp8_agreement),
+        created_by=actor.user_id,
+    )
+    session.add(version)
+    session.flush()
+    record_audit(session, actor=actor, action="adapter.upload", tenant_id=tenant_id, target_type="adapter_version",
+                 target_id=version.id, details={"adapter": name, "version": number, "content_sha256": stored.sha256,
+                                                "size_bytes": stored.size_bytes, "eval_set": eval_uri is not None,
+                                                "gate": version.gate_config})
+    return UploadResult(version.id, adapter.id, number, str(version.status), stored.sha256, created=True)
+
+
+def _live_adapter(session: Session, *, tenant_id: uuid.UUID, name: str, base_model_id, actor: Actor) -> Adapter:
+    """The tenant's live adapter of that name, created if missing, locked for this transaction (so version
+    numbers are assigned one at a time)."""
+    created = session.scalar(
+        insert(Adapter).values(id=_new_id(), tenant_id=tenant_id, name=name, base_model_id=base_model_id,
+                               created_by=actor.user_id)
+        .on_conflict_do_nothing(index_elements=[Adapter.tenant_id, Adapter.name],
+                                index_where=Adapter.deleted_at.is_(None))
+        .returning(Adapter.id)
+    )
+    adapter = session.scalar(
+        select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name, Adapter.deleted_at.is_(None))
+        .with_for_update()
+    )
+    assert adapter is not None
+    if created is not None:
+        record_audit(session, actor=actor, action="adapter.create", tenant_id=tenant_id, target_type="adapter",
+                     target_id=adapter.id, details={"adapter": name})
+    return adapter
+
+
+def _new_id() -> uuid.UUID:
+    from services.common.ids import uuid7
+
+    return uuid7()

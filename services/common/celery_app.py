@@ -1,0 +1,127 @@
+"""The shared Celery app: queues for adapter ingest/eval and billing, safe task defaults, the beat schedule.
+
+Configuration is a lazy promise read from the settings the first time Celery needs it (sending a task,
+starting a worker), so importing this module connects nowhere. The broker is `MPLEX_BROKER_URL`, else
+the Redis next to the platform's (embedded in dev: `services.common.embedded.resolve_urls`).
+
+Task defaults: acknowledged after they finish (`acks_late`) and requeued if their worker process dies, one
+message prefetched per process, JSON only, bounded retries with exponential backoff on transient
+infrastructure errors. Tasks must therefore be idempotent — they are thin wrappers over plain functions.
+Task names say their queue: `billing.*`, `adapters.ingest.*`, `adapters.eval.*`.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from celery import Celery, Task
+from kombu import Queue
+
+QUEUES = ("adapters.ingest", "adapters.eval", "billing")
+TASK_MODULES = ("services.billing.tasks", "services.adapters.tasks")
+# With acks_late on Redis, an unacknowledged message is redelivered after this long if its worker vanished
+# without requeueing it (a killed host); longer than the slowest task (an adapter's quality-gate eval).
+VISIBILITY_TIMEOUT_S = 3 * 3600
+ADAPTERS_RETIRED_SYNC_S = 10.0  # how soon engines unload a deleted adapter (plus one heartbeat)
+ADAPTERS_SWEEP_S = 60.0
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    import psycopg
+    import redis.exceptions
+    import sqlalchemy.exc
+    from kombu.exceptions import OperationalError as KombuOperationalError
+
+    return (
+        sqlalchemy.exc.OperationalError,  # Postgres restarting, failover, connection dropped
+        psycopg.OperationalError,
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        KombuOperationalError,
+    )
+
+
+class MplexTask(Task):
+    """Base task: transient infrastructure errors retry with exponential backoff (2 s, 4 s, ... capped at
+    5 min, jittered), at most 5 times; anything else fails the task at once (a bug, not an outage)."""
+
+    autoretry_for = _transient_errors()
+    retry_backoff = 2
+    retry_backoff_max = 300
+    retry_jitter = True
+    max_retries = 5
+    acks_late = True
+    reject_on_worker_lost = True
+
+
+def task_modules() -> list[str]:
+    """The task modules that exist in this build (services.adapters.tasks arrives with the adapter service)."""
+    return [m for m in TASK_MODULES if importlib.util.find_spec(m) is not None]
+
+
+def celery_config(settings: Any = None) -> dict[str, Any]:
+    from services.billing.config import BillingConfig
+    from services.common.settings import get_settings
+
+    settings = settings or get_settings()
+    broker_url = settings.broker_url
+    if broker_url is None:
+        from services.common.embedded import resolve_urls
+
+        broker_url = resolve_urls(settings).broker_url
+    billing = BillingConfig.from_settings(settings)
+    return {
+        "broker_url": broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,  # a task that raised is done (it retried already if it could)
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,  # their messages come back; no double runs
+        "worker_hijack_root_logger": False,
+        "task_queues": [Queue(q, routing_key=q) for q in QUEUES],
+        "task_default_queue": "billing",
+        "task_routes": {
+            "billing.*": {"queue": "billing"},
+            "adapters.ingest.*": {"queue": "adapters.ingest"},
+            "adapters.eval.*": {"queue": "adapters.eval"},
+        },
+        "include": task_modules(),
+        "timezone": "UTC",
+        "enable_utc": True,
+        "beat_schedule": beat_schedule(billing),
+    }
+
+
+def beat_schedule(billing) -> dict[str, dict[str, Any]]:
+    """Periodic billing and adapter upkeep. Each run is idempotent; `expires` drops runs that queued up while no worker
+    was there to take them (the next run does the same work)."""
+    def every(task: str, seconds: float) -> dict[str, Any]:
+        return {"task": task, "schedule": seconds, "options": {"expires": seconds}}
+
+    schedule = {
+        "billing.sample_engines": every("billing.sample_engines", billing.engine_sample_interval_s),
+        "billing.rollup": every("billing.rollup", billing.rollup_interval_s),
+        "billing.issue_statements": every("billing.issue_statements", billing.statements_interval_s),
+    }
+    if "services.adapters.tasks" in task_modules():
+        # Deleted adapters' content ids -> the Redis set engines unload from; versions whose task was lost.
+        schedule["adapters.ingest.sync_retired"] = every("adapters.ingest.sync_retired", ADAPTERS_RETIRED_SYNC_S)
+        schedule["adapters.ingest.sweep"] = every("adapters.ingest.sweep", ADAPTERS_SWEEP_S)
+    return schedule
+
+
+def create_celery(settings: Any = None) -> Celery:
+    """A Celery app configured from `settings` (default: the process's) when first used."""
+    celery = Celery("mplex", task_cls=MplexTask)
+    celery.add_defaults(lambda: celery_config(settings))
+    return celery
+
+
+app = create_celery()

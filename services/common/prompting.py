@@ -1,0 +1,103 @@
+"""Turns OpenAI-style prompts and chat messages into token ids, exactly as Hugging Face would.
+
+The gateway uses it to count prompt tokens before reserving quota; the engine's own OpenAI
+endpoints use it too, so both sides agree on every token.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from services.common.wire import InvalidRequest
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequest(
+                    "only text content parts are supported by this model", f"messages[{index}].content"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise InvalidRequest("message content must be a string or a list of text parts", f"messages[{index}].content")
+
+
+class PromptBuilder:
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        if template is None and (model_dir / "chat_template.jinja").exists():
+            template = (model_dir / "chat_template.jinja").read_text()
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+        if not messages:
+            raise InvalidRequest("messages must not be empty", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                raise InvalidRequest(f"unsupported role {role!r}", f"messages[{i}].role")
+            clean.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"), i)})
+        try:
+            return self._template.render(
+                messages=clean,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise InvalidRequest(f"messages do not fit the chat template: {exc}", "messages") from None
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template already writes the special tokens, as in HF's apply_chat_template(tokenize=True).
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def count(self, ids_or_text: str | list[int]) -> int:
+        return len(ids_or_text) if isinstance(ids_or_text, list) else len(self.text_ids(ids_or_text))
+
+
+def _token_str(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("content", "")
+    return value or ""
+
+
+@lru_cache(maxsize=8)
+def prompt_builder(model_dir: str) -> PromptBuilder:
+    return PromptBuilder(Path(model_dir))

@@ -1,0 +1,203 @@
+"""`mplex up`: run the platform locally in the foreground; Ctrl-C stops everything it started."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    ready_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    """Starts child processes in their own process groups and stops them all, in reverse order."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, proc: Proc, timeout: float = 300.0) -> None:
+        log = open(self.log_dir / f"{proc.name}.log", "ab")
+        env = {**os.environ, **proc.env}
+        proc.popen = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append(proc)
+        if proc.ready_url:
+            self._wait_ready(proc, timeout)
+
+    def _wait_ready(self, proc: Proc, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}; see {self.log_dir / proc.name}.log")
+            try:
+                if httpx.get(proc.ready_url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{proc.name} not ready after {timeout:.0f}s; see {self.log_dir / proc.name}.log")
+
+    def watch(self) -> None:
+        """Block until a child dies or we are interrupted."""
+        while True:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    print(f"!! {p.name} exited with code {p.popen.returncode}; stopping (log: {self.log_dir / p.name}.log)")
+                    return
+            time.sleep(1)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.popen and p.popen.poll() is None:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for p in reversed(self.procs):
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+
+
+def mplex_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def write_dev_json(home: Path, info: dict) -> Path:
+    path = home / "dev.json"
+    path.write_text(json.dumps(info, indent=2) + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_up(home: Path) -> None:
+    """Embedded Postgres + Redis, migrations, demo seed, two engines, a Celery worker + beat, the
+    gateway serving the web app. Prints how to use it and writes it all to <home>/dev.json."""
+    from services.common.db import make_engine, make_sessionmaker, session_scope
+    from services.common.embedded import embedded_services
+    from services.common.migrate import upgrade
+    from services.common.settings import Settings
+    from services.gateway.seed import seed_demo
+    from services.modelkit import ensure_demo
+
+    kit = ensure_demo(home)
+    settings = Settings(home=home)
+    previous = _read_json(home / "dev.json")
+    sup = Supervisor(home / "logs")
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(">> starting embedded PostgreSQL and Redis", flush=True)
+    with embedded_services(settings) as urls:
+        try:
+            upgrade(urls.database_url)
+            engine = make_engine(urls.database_url, pool_size=1, max_overflow=0)
+            with session_scope(make_sessionmaker(engine)) as s:
+                seed = seed_demo(s, existing_key=previous.get("api_key"))
+            engine.dispose()
+            env = {**urls.as_env(), "MPLEX_HOME": str(home), "MPLEX_BASE_MODEL_DIR": str(kit.base_dir),
+                   "MPLEX_BASE_MODEL_NAME": kit.model_name, "OMP_NUM_THREADS": "1"}
+            engines = []
+            for i in range(2):
+                port = free_port()
+                print(f">> starting engine-{i}", flush=True)
+                sup.start(Proc(f"engine-{i}", mplex_argv("engine", "serve", "--model", str(kit.base_dir),
+                                                           "--served-model-name", kit.model_name, "--port", str(port),
+                                                           "--engine-id", f"engine-{i}", "--kv-memory-mb", "256"),
+                               ready_url=f"http://127.0.0.1:{port}/ready", env=env))
+                engines.append(f"http://127.0.0.1:{port}")
+            print(">> starting the Celery worker and beat", flush=True)
+            worker_port = free_port()
+            sup.start(Proc("worker", mplex_argv("worker", "--queues", "adapters.ingest,adapters.eval,billing",
+                                                "--metrics-port", str(worker_port)),
+                           ready_url=f"http://127.0.0.1:{worker_port}/ready", env=env))
+            sup.start(Proc("beat", mplex_argv("beat"), env=env))
+            gw_port = 8000 if _port_free(8000) else free_port()
+            print(">> starting the gateway", flush=True)
+            sup.start(Proc("gateway", mplex_argv("gateway", "serve", "--port", str(gw_port)),
+                           ready_url=f"http://127.0.0.1:{gw_port}/ready", env=env))
+            url = f"http://127.0.0.1:{gw_port}"
+            info = {
+                "gateway_url": url,
+                "base_url": f"{url}/v1",
+                "web_url": url + "/",
+                "model": kit.model_name,
+                "api_key": seed.api_key,
+                **seed.as_dict(),
+                "admin": next(({"email": u.email, "password": u.password} for u in seed.users if str(u.role) == "platform_admin"), None),
+                "engines": engines,
+                "worker_metrics": f"http://127.0.0.1:{worker_port}/metrics",
+                "database_url": urls.database_url,
+                "redis_url": urls.redis_url,
+            }
+            path = write_dev_json(home, info)
+            _print_banner(info, path)
+            sup.watch()
+        except KeyboardInterrupt:
+            print("\nstopping…", flush=True)
+        finally:
+            sup.stop()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _print_banner(info: dict, path: Path) -> None:
+    url, model, key = info["gateway_url"], info["model"], info["api_key"]
+    users = "\n".join(f"    {u['role']:<15} {u['email']} / {u['password']}" for u in info["users"])
+    print(
+        f"""
+Multiplex is up.
+  gateway (OpenAI API):  {url}/v1      model: {model}
+  web app:               {url}/
+  demo API key:          {key}
+  sign-in (dev passwords):
+{users}
+  connection info:       {path}
+
+  curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key}'); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)"
+
+Logs: {path.parent / 'logs'}.  Ctrl-C stops everything.""",
+        flush=True,
+    )

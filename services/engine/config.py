@@ -1,0 +1,236 @@
+"""Engine configuration: one frozen dataclass per component, validated when built."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in _ROPE_TYPES:
+            raise ConfigError(
+                f"rope_scaling.rope_type={self.rope_type!r} is not supported (supported: {sorted(_ROPE_TYPES)})"
+            )
+        if self.theta <= 0:
+            raise ConfigError("rope_theta must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The decoder's shape, read from a Hugging Face `config.json`."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        gen_path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        return cls.from_hf(raw, gen)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(raw.get("model_type", ""))
+        if arch is None:
+            raise ConfigError(f"architectures={archs!r}: only Llama, Mistral and Qwen2 decoders are supported")
+        heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        eos: list[int] = []
+        for src in (generation or {}, raw):
+            val = src.get("eos_token_id")
+            if val is not None:
+                eos = list(val) if isinstance(val, list) else [val]
+                break
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+        return cls(
+            arch=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope=_rope_from_hf(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            sliding_window=window,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos),
+        )
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints have rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("rope partial_rotary_factor != 1 is not supported")
+    known = {f for f in RopeConfig.__slots__ if f not in ("theta", "rope_type")}
+    kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+    if rope_type in ("yarn",) and "original_max_position_embeddings" not in kwargs:
+        kwargs["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: fixed-size blocks; capacity from `num_blocks` or from a memory budget."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError("num_blocks must be >= 2")
+        if self.memory_bytes <= 0:
+            raise ConfigError("memory_bytes must be > 0")
+
+    def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = 2 * model.num_layers * self.block_size * model.kv_size * dtype.itemsize
+        blocks = self.memory_bytes // per_block
+        if blocks < 2:
+            raise ConfigError(f"memory_bytes={self.memory_bytes} holds fewer than 2 KV blocks")
+        return int(blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits per step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    chunked_prefill: bool = True
+    # A request whose adapter cannot get a device slot for this many steps stops new admissions that
+    # would pin other adapters, so slots drain and it gets one (no starvation under skewed popularity).
+    lora_starvation_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError("max_num_seqs must be > 0")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_batched_tokens must be > 0")
+        if not self.chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError("without chunked_prefill, max_num_batched_tokens must be >= max_model_len")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """Adapter tiers: device slots (stacked weights) and a host-memory LRU."""
+
+    max_loras: int = 8
+    max_cpu_loras: int = 64
+    max_lora_rank: int = 64
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_loras <= 0 or self.max_cpu_loras < self.max_loras:
+            raise ConfigError("need max_loras > 0 and max_cpu_loras >= max_loras")
+        if not 0 < self.max_lora_rank <= 512:
+            raise ConfigError("max_lora_rank must be in 1..512")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: Path
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    weight_dtype: str = "auto"  # "auto" = same as dtype; "fp8" = float8_e4m3fn weights with per-channel scales
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    seed: int = 0
+    engine_id: str = "engine-0"
+    adapter_cache_dir: Path | None = None  # where adapters fetched from remote storage are kept
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}")
+        if self.weight_dtype not in ("auto", "fp8"):
+            raise ConfigError("weight_dtype must be 'auto' or 'fp8'")
+        if not (Path(self.model_dir) / "config.json").exists():
+            raise ConfigError(f"model_dir {self.model_dir} has no config.json")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name

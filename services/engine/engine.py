@@ -1,0 +1,343 @@
+"""The engine's step loop: schedule, run, post-process (detokenize, stop, finish, account)."""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.lora_format import AdapterFormatError
+from services.engine.config import EngineConfig
+from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
+from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.manager import KVCacheManager
+from services.engine.metrics import EngineMetrics
+from services.engine.model.loader import load_model
+from services.engine.model_runner import ModelRunner
+from services.engine.sampler import SamplerOutput
+from services.engine.scheduler import Scheduler, StepPlan
+from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence
+
+log = logging.getLogger("mplex.engine")
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta), plus its running totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    compute_seconds: float
+    logprobs: list[TokenLogprob] | None = None
+    error: InvalidRequest | None = None  # the request was refused after queueing (e.g. its adapter failed to load)
+
+
+@dataclass(slots=True)
+class _Stream:
+    decoder: DecodeStream
+    stops: StopMatcher
+
+
+@dataclass(slots=True)
+class StepStats:
+    steps: int = 0
+    busy_seconds: float = 0.0
+    tokens: int = 0
+    last_step: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.model = model or load_model(
+            config.model_dir, dtype=config.torch_dtype, device=config.device, weight_dtype=config.weight_dtype
+        )
+        mcfg = self.model.config
+        self.tokenizer = TokenizerInfo(config.model_dir)
+        self.eos_token_ids = mcfg.eos_token_ids
+        self.max_model_len = min(config.scheduler.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
+        self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids)
+        self.wake = threading.Event()  # set by anything that may make a blocked step loop runnable
+        self.adapters = None
+        if config.lora.enabled:
+            from services.engine.lora.manager import AdapterManager
+
+            self.adapters = AdapterManager(
+                mcfg, config.lora, dtype=config.torch_dtype, device=config.device,
+                cache_dir=config.adapter_cache_dir, wake=self.wake,
+            )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters)
+        self.last_plan_empty = False
+        self._slot_loads_seen = 0
+        self.metrics = EngineMetrics(config.model_name)
+        self.metrics.kv_total.set(num_blocks)
+        self.stats = StepStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._rng = random.Random(config.seed)
+        log.info(
+            "engine ready: model=%s weights=%.1f MiB kv=%d blocks x %d tokens (%.1f MiB) max_model_len=%d",
+            config.model_name, self.model.weight_bytes() / 2**20, num_blocks, block_size,
+            self.runner.kv_cache_bytes / 2**20, self.max_model_len,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+        cache_salt: str = "",
+        adapter: AdapterRef | None = None,
+    ) -> Sequence:
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already running", "request_id", status=409)
+        self.validate(prompt_token_ids, params)
+        if adapter is not None:
+            if self.adapters is None:
+                raise InvalidRequest("this engine serves no adapters", "model", "model_not_found", status=404)
+            try:
+                self.adapters.request(adapter)
+            except AdapterFormatError as exc:
+                raise adapter_error(exc) from None
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter)
+        self._seqs[request_id] = seq
+        self._streams[request_id] = _Stream(
+            DecodeStream(self.tokenizer, params.skip_special_tokens), StopMatcher(params.stop)
+        )
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        return seq
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens.",
+                "messages", code="context_length_exceeded",
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion).",
+                "max_tokens", code="context_length_exceeded",
+            )
+        blocks = -(-(n + params.max_tokens) // self.kv.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise InvalidRequest(
+                f"the request needs {blocks} KV blocks but this engine has {self.kv.pool.num_blocks}",
+                "max_tokens", code="context_length_exceeded",
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. Returns False if it was not running."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._streams.pop(request_id, None)
+        self.scheduler.finish(seq, "abort")
+        self.metrics.count_finished("abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        failed = self._fail_adapter_loads()
+        plan = self.scheduler.schedule()
+        self.metrics.preemptions.inc(len(plan.preempted))
+        self.last_plan_empty = plan.is_empty
+        if plan.is_empty:
+            self._update_gauges()
+            return failed
+        t0 = time.perf_counter()
+        inputs, sampled = self.runner.execute(plan, self.adapters)
+        elapsed = time.perf_counter() - t0
+        outputs = self._postprocess(plan, sampled, elapsed)
+        self._update_gauges()
+        return failed + outputs
+
+    def _fail_adapter_loads(self) -> list[RequestOutput]:
+        """Requests waiting on an adapter that failed to load are refused with its specific error."""
+        if self.adapters is None:
+            return []
+        failures = self.adapters.poll()
+        if not failures:
+            return []
+        bad = {cid: exc for cid, exc in failures}
+        out = []
+        for seq in [s for q in self.scheduler.waiting.values() for s in q]:
+            if seq.adapter is not None and seq.adapter.content_id in bad:
+                self._finish(seq, "error")
+                out.append(RequestOutput(seq.request_id, [], "", True, "error", seq.num_prompt_tokens, 0, 0, 0.0,
+                                         error=adapter_error(bad[seq.adapter.content_id])))
+        return out
+
+    def _postprocess(self, plan: StepPlan, sampled: SamplerOutput | None, elapsed: float) -> list[RequestOutput]:
+        now = time.monotonic()
+        total = plan.num_batched_tokens
+        self.stats.steps += 1
+        self.stats.busy_seconds += elapsed
+        self.stats.tokens += total
+        self.metrics.busy_seconds.inc(elapsed)
+        self.metrics.step_time.observe(elapsed)
+        outputs: list[RequestOutput] = []
+        row = 0
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.compute_seconds += elapsed * s.num_new_tokens / total
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.kv.commit(seq)
+            if not s.samples:
+                continue
+            assert sampled is not None
+            token = sampled.token_ids[row]
+            lp = None
+            if seq.params.logprobs is not None and sampled.logprobs is not None:
+                k = seq.params.logprobs
+                top = list(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k])) if k else []
+                lp = [TokenLogprob(token, sampled.logprobs[row], top)]
+            row += 1
+            outputs.append(self._append_token(seq, token, lp, now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival_time)
+        else:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        p = seq.params
+        stream = self._streams[seq.request_id]
+        n_out = seq.num_output_tokens
+        past_min = n_out >= p.min_tokens
+        reason = None
+        text = ""
+        stop_string = False
+        if past_min and token in p.stop_token_ids:
+            reason = "stop"
+        elif past_min and not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        else:
+            text, stop_string = stream.stops.push(stream.decoder.push(token), check=past_min)
+            if stop_string:
+                reason = "stop"
+            elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if not stop_string:  # release held-back text: nothing more can complete a stop string
+                tail, stop_string = stream.stops.push(stream.decoder.flush(), check=past_min)
+                text += tail if stop_string else tail + stream.stops.flush()
+            self._finish(seq, reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_output_tokens=n_out,
+            compute_seconds=seq.compute_seconds,
+            logprobs=lp,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._seqs.pop(seq.request_id, None)
+        self._streams.pop(seq.request_id, None)
+        self.metrics.count_finished(reason)
+        if seq.num_cached_tokens:
+            self.metrics.prefix_hit_tokens.inc(seq.num_cached_tokens)
+        self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        if seq.adapter is not None:
+            self.metrics.count_adapter(seq.adapter.name or seq.adapter.content_id[:12], seq.num_tokens)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.kv_used.set(self.kv.pool.num_used)
+        if self.adapters is not None:
+            a = self.adapters
+            m.lora_slots_used.set(a.num_slots_used)
+            m.lora_slots_total.set(self.config.lora.max_loras)
+            m.lora_host_cached.set(len(a.resident()))
+            m.lora_slot_loads.inc(a.slot_loads - self._slot_loads_seen)
+            self._slot_loads_seen = a.slot_loads
+            for ev in a.load_events:
+                (m.lora_loads if ev.ok else m.lora_load_failures).inc()
+                if ev.ok:
+                    m.lora_load_seconds.observe(ev.seconds)
+            a.load_events.clear()
+
+    # -- checks --------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        if self.adapters is not None:
+            self.adapters.check_integrity(self.scheduler.running)
+        live = {s.request_id for s in self.scheduler.running} | {
+            s.request_id for q in self.scheduler.waiting.values() for s in q
+        }
+        assert live == set(self._seqs), (live, set(self._seqs))
+        for seq in self.scheduler.running:
+            table = self.kv.block_table(seq.request_id)
+            assert len(table) * self.kv.block_size >= seq.num_computed_tokens
+        if not self._seqs:
+            assert self.kv.pool.num_used == 0, f"{self.kv.pool.num_used} KV blocks leaked"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion in one continuous batch (offline use: tests and benchmarks)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{i}-{self._rng.getrandbits(32):08x}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.error is not None:
+                    raise out.error
+                results[out.request_id].extend(out.new_token_ids)
+            if self.last_plan_empty and self.has_unfinished():
+                self.wake.wait(0.05)  # waiting on an adapter load
+                self.wake.clear()
+        return [results[rid] for rid in ids]
+
+
+def adapter_error(exc: AdapterFormatError) -> InvalidRequest:
+    return InvalidRequest(f"adapter refused: {exc.message}", "model", exc.code, status=400)

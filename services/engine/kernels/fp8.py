@@ -1,0 +1,146 @@
+"""FP8 (e4m3) weights with per-output-channel scales, and the linear layer that consumes them.
+
+quantize_fp8 stores each output row as float8_e4m3fn with scale = amax(row) / 448, so every row uses
+the full e4m3 range: half the bytes of bf16 for ~2-3% relative weight error (see the tests/README).
+fp8_linear runs torch._scaled_mm on GPUs with FP8 tensor cores (sm89+), quantizing activations per
+token on the fly; elsewhere (CPU) it widens the FP8 weight exactly to x's dtype for the matmul and
+applies the per-channel scale to the output. fp8_linear_ref is the fp32 definition both are tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+Fp8Backend = Literal["auto", "dequant", "scaled_mm"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """W ~= weight.float() * scale[:, None]; weight [out, in] float8_e4m3fn, scale [out] fp32."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        if self.weight.dtype != FP8_DTYPE or self.weight.dim() != 2:
+            raise ValueError(f"Fp8Weight.weight must be a 2-D {FP8_DTYPE} tensor, got {self.weight.dtype} {tuple(self.weight.shape)}")
+        if self.scale.dtype != torch.float32 or self.scale.shape != (self.weight.shape[0],):
+            raise ValueError(f"Fp8Weight.scale must be fp32 [{self.weight.shape[0]}], got {self.scale.dtype} {tuple(self.scale.shape)}")
+        if self.weight.device != self.scale.device:
+            raise ValueError("Fp8Weight.weight and scale must be on the same device")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """Per-output-channel e4m3 quantization of a dense [out, in] weight; all-zero rows get scale 1."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8 expects a 2-D floating-point weight, got {w.dtype} {tuple(w.shape)}")
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1)
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("quantize_fp8: the weight has NaN or Inf entries")
+    # A zero row would give scale 0 and 0/0 below; any positive scale stores it exactly as zeros.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w32 / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Weight(q.contiguous(), scale.contiguous())
+
+
+def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: dequantize to fp32, fp32 matmul, result in x's dtype."""
+    y = x.float() @ w.dequantize(torch.float32).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, backend: Fp8Backend = "auto"
+) -> torch.Tensor:
+    """y = x W^T (+ bias) in x's dtype for x [..., in] and an FP8 weight [out, in]."""
+    out_f, in_f = w.shape
+    if x.shape[-1] != in_f:
+        raise ValueError(f"x has {x.shape[-1]} features, the FP8 weight expects {in_f}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"fp8_linear expects fp32/fp16/bf16 activations, got {x.dtype}")
+    if x.device != w.weight.device:
+        raise ValueError(f"x is on {x.device}, the FP8 weight on {w.weight.device}")
+    if bias is not None and bias.shape != (out_f,):
+        raise ValueError(f"bias must be [{out_f}], got {tuple(bias.shape)}")
+    if backend == "auto":
+        backend = "scaled_mm" if _scaled_mm_ok(x, w) else "dequant"
+    if backend == "dequant":
+        y = _linear_dequant(x, w)
+    elif backend == "scaled_mm":
+        if in_f % 16 or out_f % 16:
+            raise ValueError(f"the scaled_mm backend needs in/out features divisible by 16, got {in_f}/{out_f}")
+        x2 = x.reshape(-1, in_f)
+        y = _linear_scaled_mm(x2, w).reshape(*x.shape[:-1], out_f) if x2.shape[0] else _linear_dequant(x, w)
+    else:
+        raise ValueError(f"backend must be 'auto', 'dequant' or 'scaled_mm', got {backend!r}")
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def _linear_dequant(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    # The per-channel scale commutes with the matmul, so it goes on the [T, out] result rather than
+    # on the [out, in] weight; the weight only needs widening, done by bit moves (see _widen_e4m3).
+    wide = _widen_e4m3(w.weight)
+    scale = w.scale * 256.0  # _widen_e4m3 yields weight / 256
+    if x.dtype == torch.float32:
+        return F.linear(x, wide.float()).mul_(scale)
+    return (F.linear(x, wide.to(x.dtype)).float() * scale).to(x.dtype)
+
+
+def _widen_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float16 equal to q / 256, exactly, via integer bit moves.
+
+    Placing e4m3's 7 exponent+mantissa bits at the bottom of fp16's exponent and top of its mantissa
+    gives 2^(e-15)(1+m/8) for normal codes and (m/8)2^-14 for subnormal ones, i.e. the e4m3 value
+    (bias 7) times 2^-8. This is ~3x faster on the CPU than torch's element-wise fp8 conversion.
+    The NaN code (0x7F) would read as 480/256, but quantize_fp8 clamps to +-448 and never emits it.
+    """
+    u = q.view(torch.uint8).to(torch.int16)
+    return (((u & 0x7F) << 7) | ((u & 0x80) << 8)).view(torch.float16)
+
+
+def _scaled_mm_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
+    if not x.is_cuda or w.shape[0] % 16 or w.shape[1] % 16:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def _rowwise_ok(x: torch.Tensor) -> bool:
+    # Fused per-row scales are a bf16-output feature of the SM90 (and CPU) kernels.
+    if x.dtype != torch.bfloat16:
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def _linear_scaled_mm(x2: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """FP8 x FP8 GEMM with dynamic per-token activation scales and the weight's per-channel scales."""
+    x32 = x2.float()
+    x_scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)  # [M, 1]; zero rows stay 0
+    xq = (x32 / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # row-major [M, K], as _scaled_mm wants
+    wt = w.weight.t()  # column-major [K, N], as _scaled_mm wants for its second operand
+    if _rowwise_ok(x2):
+        return torch._scaled_mm(xq, wt, scale_a=x_scale, scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16)
+    # Portable form: unit per-tensor scales in the GEMM, both scale vectors applied to the fp32 result.
+    one = torch.ones((), dtype=torch.float32, device=x2.device)
+    y = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (y * x_scale * w.scale).to(x2.dtype)

@@ -1,0 +1,318 @@
+"""Adapter tiers: device slots holding stacked LoRA weights, a host-memory LRU, loads off the step loop.
+
+Adapters are identified by content id. A running sequence pins its adapter's slot; unpinned slots
+are reused least-recently-used first. Loads (fetch + validate + convert) run on a worker thread; the
+step loop only collects finished loads and copies host tensors into a slot when one is needed.
+All state below is touched by the step-loop thread only, except the completion queue.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError
+from services.engine.config import LoraConfig, ModelConfig
+from services.engine.lora.weights import LoraWeights, load_lora, module_dims
+from services.engine.sequence import AdapterRef, Sequence
+
+log = logging.getLogger("mplex.engine.lora")
+
+
+@dataclass(slots=True)
+class ModuleStack:
+    """One projection of one layer across all slots (the SGMV kernels' weight operands)."""
+
+    a: torch.Tensor  # [slots, max_rank, in]
+    b: torch.Tensor  # [slots, out, max_rank]
+    ranks: torch.Tensor  # [slots] int32; 0 = this slot's adapter does not target this module
+
+
+# Projections that read the same input are applied as one group. On the CPU a group is ONE stack:
+# A packs the slices' rows, B is block-diagonal, so a segment costs one shrink and one expand
+# (dispatch, not FLOPs, is what a small CPU matmul costs). On CUDA each slice keeps its own stack
+# and the Triton kernels run per slice with an output offset.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadEvent:
+    content_id: str
+    seconds: float
+    ok: bool
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: LoraConfig,
+        *,
+        dtype: torch.dtype,
+        device: str,
+        cache_dir: Path | None = None,
+        wake: threading.Event | None = None,
+    ):
+        self.model = model
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="mplex-adapters-"))
+        self.wake = wake  # set when a load finishes, so an idle step loop wakes up
+        n, r = config.max_loras, config.max_lora_rank
+        dims = module_dims(model)
+        self.fused = device == "cpu"
+        self.slices: dict[str, list[tuple[str, int, int]]] = {}  # group -> (module, out offset, out size)
+        for group, modules in GROUPS.items():
+            off, parts = 0, []
+            for m in modules:
+                parts.append((m, off, dims[m][1]))
+                off += dims[m][1]
+            self.slices[group] = parts
+        # stacks[layer][name]: name is a group when fused, else a module.
+        self.stacks: list[dict[str, ModuleStack]] = []
+        for _ in range(model.num_layers):
+            layer = {}
+            if self.fused:
+                for group, parts in self.slices.items():
+                    d_in = dims[parts[0][0]][0]
+                    d_out = sum(size for _, _, size in parts)
+                    layer[group] = ModuleStack(
+                        a=torch.zeros(n, r * len(parts), d_in, dtype=dtype, device=device),
+                        b=torch.zeros(n, d_out, r * len(parts), dtype=dtype, device=device),
+                        ranks=torch.zeros(n, dtype=torch.int32, device=device),
+                    )
+            else:
+                for module, (d_in, d_out) in dims.items():
+                    layer[module] = ModuleStack(
+                        a=torch.zeros(n, r, d_in, dtype=dtype, device=device),
+                        b=torch.zeros(n, d_out, r, dtype=dtype, device=device),
+                        ranks=torch.zeros(n, dtype=torch.int32, device=device),
+                    )
+            self.stacks.append(layer)
+        self._host: OrderedDict[str, LoraWeights] = OrderedDict()
+        self._slot_of: dict[str, int] = {}
+        self._owner: list[str | None] = [None] * n
+        self._pins = [0] * n
+        self._idle_slots: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))  # unpinned, LRU first
+        self._loading: set[str] = set()
+        self._failed: dict[str, AdapterFormatError] = {}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+        self.load_events: list[LoadEvent] = []  # drained by metrics
+        self.slot_loads = 0
+
+    # -- host tier -----------------------------------------------------------------------------
+    def request(self, ref: AdapterRef) -> None:
+        """Make sure the adapter is host-resident or on its way; raises if it is known to be bad."""
+        self.poll()
+        cid = ref.content_id
+        if cid in self._failed:
+            raise self._failed[cid]
+        if cid in self._host:
+            self._host.move_to_end(cid)
+            return
+        if cid in self._loading:
+            return
+        if not ref.path:
+            raise AdapterFormatError("unknown_adapter", f"adapter {ref.name or cid[:12]} is not loaded and has no storage path")
+        self._loading.add(cid)
+        self._pool.submit(self._load, ref)
+
+    def load_sync(self, ref: AdapterRef) -> LoraWeights:
+        """Load an adapter now (internal load endpoint); errors raise. Safe to call from any thread."""
+        weights = self._read(ref)
+        self._done.put((ref.content_id, weights, 0.0))
+        return weights
+
+    def _load(self, ref: AdapterRef) -> None:
+        t0 = time.perf_counter()
+        try:
+            result: LoraWeights | AdapterFormatError = self._read(ref)
+        except AdapterFormatError as exc:
+            result = exc
+        except Exception as exc:  # I/O or decoding trouble: still a refusal of this adapter only
+            log.exception("loading adapter %s failed", ref.content_id[:12])
+            result = AdapterFormatError("load_failed", f"could not load adapter: {exc}")
+        self._done.put((ref.content_id, result, time.perf_counter() - t0))
+        if self.wake is not None:
+            self.wake.set()
+
+    def _read(self, ref: AdapterRef) -> LoraWeights:
+        path = self._fetch(ref)
+        return load_lora(path, self.model, max_rank=self.config.max_lora_rank, dtype=self.dtype,
+                         name=ref.name, expected_content_id=ref.content_id)
+
+    def _fetch(self, ref: AdapterRef) -> Path:
+        """A local directory with the adapter's two files; remote URIs are copied into the cache once."""
+        uri = ref.path or ""
+        if "://" not in uri or uri.startswith("file://"):
+            return Path(uri.removeprefix("file://"))
+        import fsspec
+
+        target = self.cache_dir / ref.content_id
+        if (target / WEIGHTS_FILE).exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=self.cache_dir))
+        fs, root = fsspec.core.url_to_fs(uri)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            fs.get(f"{root.rstrip('/')}/{name}", str(tmp / name))
+        try:
+            tmp.rename(target)
+        except OSError:  # another load won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    def poll(self) -> list[tuple[str, AdapterFormatError]]:
+        """Collect finished loads; returns the adapters that failed since the last poll."""
+        failures = []
+        while True:
+            try:
+                cid, result, seconds = self._done.get_nowait()
+            except queue.Empty:
+                return failures
+            self._loading.discard(cid)
+            if isinstance(result, AdapterFormatError):
+                self._failed[cid] = result
+                failures.append((cid, result))
+                self.load_events.append(LoadEvent(cid, seconds, False))
+                continue
+            self._host[cid] = result
+            self._host.move_to_end(cid)
+            self.load_events.append(LoadEvent(cid, seconds, True))
+            self._evict_host()
+
+    def _evict_host(self) -> None:
+        while len(self._host) > self.config.max_cpu_loras:
+            victim = next((c for c in self._host if c not in self._slot_of or self._pins[self._slot_of[c]] == 0), None)
+            if victim is None:
+                return
+            self._host.pop(victim)
+
+    def forget_failure(self, content_id: str) -> None:
+        self._failed.pop(content_id, None)
+
+    # -- device slots (the scheduler's AdapterSlots protocol) ------------------------------------
+    def acquire(self, seq: Sequence) -> int | None:
+        assert seq.adapter is not None
+        cid = seq.adapter.content_id
+        slot = self._slot_of.get(cid)
+        if slot is None:
+            weights = self._host.get(cid)
+            if weights is None or not self._idle_slots:
+                return None
+            slot = self._install(weights)
+        self._pin(slot)
+        self._host.move_to_end(cid)
+        return slot
+
+    def release(self, seq: Sequence) -> None:
+        assert seq.adapter is not None
+        slot = self._slot_of[seq.adapter.content_id]
+        self._pins[slot] -= 1
+        assert self._pins[slot] >= 0
+        if self._pins[slot] == 0:
+            self._idle_slots[slot] = None  # most recently used end
+
+    def _pin(self, slot: int) -> None:
+        if self._pins[slot] == 0:
+            del self._idle_slots[slot]
+        self._pins[slot] += 1
+
+    def _install(self, weights: LoraWeights) -> int:
+        slot, _ = self._idle_slots.popitem(last=False)
+        self._idle_slots[slot] = None  # stays idle until pinned by the caller
+        old = self._owner[slot]
+        if old is not None:
+            del self._slot_of[old]
+        for layer, stacks in enumerate(self.stacks):
+            if self.fused:
+                for group, stack in stacks.items():
+                    stack.a[slot].zero_()
+                    stack.b[slot].zero_()
+                    packed = 0
+                    for module, out_off, out_size in self.slices[group]:
+                        pair = weights.tensors.get((layer, module))
+                        if pair is None:
+                            continue
+                        a, b = pair
+                        r = a.shape[0]
+                        stack.a[slot, packed : packed + r].copy_(a)
+                        stack.b[slot, out_off : out_off + out_size, packed : packed + r].copy_(b)
+                        packed += r
+                    stack.ranks[slot] = packed
+                continue
+            for module, stack in stacks.items():
+                pair = weights.tensors.get((layer, module))
+                if pair is None:
+                    stack.ranks[slot] = 0
+                    continue
+                a, b = pair
+                r = a.shape[0]
+                stack.a[slot, :r].copy_(a, non_blocking=True)
+                stack.b[slot, :, :r].copy_(b, non_blocking=True)
+                stack.ranks[slot] = r
+        self._owner[slot] = weights.content_id
+        self._slot_of[weights.content_id] = slot
+        self.slot_loads += 1
+        return slot
+
+    def unload(self, content_id: str) -> bool:
+        """Drop an adapter from both tiers unless a running sequence uses it. True if it was present."""
+        slot = self._slot_of.get(content_id)
+        if slot is not None:
+            if self._pins[slot]:
+                raise AdapterFormatError("adapter_in_use", "the adapter is in use by running requests")
+            del self._slot_of[content_id]
+            self._owner[slot] = None
+            self._idle_slots.move_to_end(slot, last=False)
+        self._failed.pop(content_id, None)
+        return self._host.pop(content_id, None) is not None or slot is not None
+
+    # -- views ---------------------------------------------------------------------------------
+    def is_host_resident(self, content_id: str) -> bool:
+        return content_id in self._host
+
+    def is_loading(self, content_id: str) -> bool:
+        return content_id in self._loading
+
+    def resident(self) -> list[LoraWeights]:
+        return list(self._host.values())
+
+    def slot_owners(self) -> list[str | None]:
+        return list(self._owner)
+
+    @property
+    def num_slots_used(self) -> int:
+        return sum(o is not None for o in self._owner)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(p > 0 for p in self._pins)
+
+    def check_integrity(self, running: list[Sequence]) -> None:
+        pins = [0] * len(self._pins)
+        for seq in running:
+            if seq.adapter is not None:
+                pins[self._slot_of[seq.adapter.content_id]] += 1
+        assert pins == self._pins, (pins, self._pins)
+        assert set(self._idle_slots) == {i for i, p in enumerate(self._pins) if p == 0}
+        for cid, slot in self._slot_of.items():
+            assert self._owner[slot] == cid
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one engine, in its own registry (several engines may share a process in tests)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MAX_ADAPTER_LABELS = 64
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model"], registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model"], registry=r).labels(**labels)
+
+        def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=r).labels(**labels)
+
+        self.ttft = hist("mplex_engine_time_to_first_token_seconds", "Arrival to first generated token")
+        self.itl = hist("mplex_engine_inter_token_latency_seconds", "Time between consecutive generated tokens")
+        self.e2e = hist("mplex_engine_e2e_request_latency_seconds", "Arrival to finish", (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120))
+        self.step_time = hist("mplex_engine_step_seconds", "Wall time of one forward step")
+        self.running = gauge("mplex_engine_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("mplex_engine_requests_waiting", "Sequences waiting for admission")
+        self.kv_used = gauge("mplex_engine_kv_blocks_used", "KV cache blocks in use (incl. cached idle blocks held by requests)")
+        self.kv_total = gauge("mplex_engine_kv_blocks_total", "KV cache blocks in the pool")
+        self.prompt_tokens = counter("mplex_engine_prompt_tokens_total", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("mplex_engine_generation_tokens_total", "Generated tokens")
+        self.prefix_hit_tokens = counter("mplex_engine_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache")
+        self.preemptions = counter("mplex_engine_preemptions_total", "Sequences preempted for recompute")
+        self.busy_seconds = counter("mplex_engine_busy_seconds_total", "Wall time spent in forward steps")
+        self.idle_seconds = counter("mplex_engine_idle_seconds_total", "Wall time with no work")
+        self.lora_slots_used = gauge("mplex_engine_lora_slots_used", "Device adapter slots holding an adapter")
+        self.lora_slots_total = gauge("mplex_engine_lora_slots_total", "Device adapter slots")
+        self.lora_host_cached = gauge("mplex_engine_lora_host_cached", "Adapters resident in host memory")
+        self.lora_loads = counter("mplex_engine_lora_loads_total", "Adapter loads into host memory (fetch + validate)")
+        self.lora_load_failures = counter("mplex_engine_lora_load_failures_total", "Adapter loads refused")
+        self.lora_slot_loads = counter("mplex_engine_lora_slot_loads_total", "Adapter copies into a device slot")
+        self.lora_load_seconds = hist("mplex_engine_lora_load_seconds", "Adapter load time (fetch + validate + convert)")
+        self._adapter_requests = Counter(
+            "mplex_engine_adapter_requests_total", "Finished requests per adapter", ["model", "adapter"], registry=r
+        )
+        self._adapter_tokens = Counter(
+            "mplex_engine_adapter_tokens_total", "Prompt + generated tokens per adapter", ["model", "adapter"], registry=r
+        )
+        self._adapter_labels: set[str] = set()
+        self.finished = Counter(
+            "mplex_engine_requests_total", "Finished requests", ["model", "finish_reason"], registry=r
+        )
+        self.model_name = model_name
+
+    def count_finished(self, reason: str) -> None:
+        self.finished.labels(model=self.model_name, finish_reason=reason).inc()
+
+    def count_adapter(self, name: str, tokens: int) -> None:
+        """Per-adapter counters; labels are bounded: past MAX_ADAPTER_LABELS names, the rest count as "other"."""
+        if name not in self._adapter_labels:
+            if len(self._adapter_labels) >= MAX_ADAPTER_LABELS:
+                name = "other"
+            else:
+                self._adapter_labels.add(name)
+        self._adapter_requests.labels(model=self.model_name, adapter=name).inc()
+        self._adapter_tokens.labels(model=self.model_name, adapter=name).inc(tokens)

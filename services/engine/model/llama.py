@@ -1,0 +1,100 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2 shapes) over a flattened, paged batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.config import ModelConfig
+from services.engine.model.attention import AttnMetadata, paged_attention
+from services.engine.model.layers import Linear, LoraHook, rms_norm
+from services.engine.model.rope import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: Linear  # fused [q; k; v]
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # fused [gate; up]
+    down: Linear
+
+
+class LlamaModel:
+    """Weights plus a forward over flattened tokens; K/V live in caches owned by the model runner."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: Linear,
+        dtype: torch.dtype,
+        device: str,
+    ):
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = dtype
+        self.device = device
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
+        self.scale = config.head_dim**-0.5
+
+    def weight_bytes(self) -> int:
+        total = self.embed.numel() * self.embed.element_size() + self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            total += sum(lin.weight_bytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
+        if self.lm_head.weight is not self.embed:
+            total += self.lm_head.weight_bytes()
+        return total
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttnMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoraHook | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        cfg = self.config
+        h = F.embedding(input_ids, self.embed)
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(x)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rope.apply(q, k, positions)
+            k_cache, v_cache = kv_caches[i]
+            a = paged_attention(q, k, v.contiguous(), k_cache, v_cache, attn, self.scale).view(-1, q_size)
+            o = layer.o(a)
+            if lora is not None:
+                lora.apply(i, "o", a, o)
+            h = h + o
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gu = layer.gate_up(x)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, gu)
+            gate, up = gu.chunk(2, dim=-1)
+            m = F.silu(gate) * up
+            d = layer.down(m)
+            if lora is not None:
+                lora.apply(i, "down", m, d)
+            h = h + d
+        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

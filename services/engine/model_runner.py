@@ -1,0 +1,165 @@
+"""Turns a step plan into batched tensors, runs the decoder over the paged KV cache, and samples.
+
+The runner owns the KV cache tensors; block bookkeeping stays with the KV manager. The two meet in
+the plan: block tables and how many tokens each sequence computes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.model.attention import AttnGroup, AttnMetadata, build_group
+from services.engine.model.layers import LoraHook
+from services.engine.model.llama import LlamaModel
+from services.engine.sampler import SamplerOutput, SamplingBatch, sample
+from services.engine.scheduler import ScheduledSeq, StepPlan
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttnMetadata
+    sample_rows: torch.Tensor  # [B] rows of the flattened batch whose logits are sampled
+    sampled: list[ScheduledSeq]
+    token_slots: torch.Tensor  # [T] adapter slot per token (-1 = base)
+    has_lora: bool
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...]):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        self.eos_token_ids = eos_token_ids
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        k, v = self.kv_caches[0]
+        return len(self.kv_caches) * 2 * k.numel() * k.element_size()
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        dev, bs = self.device, self.block_size
+        scheduled = plan.scheduled
+        ids: list[int] = []
+        for s in scheduled:
+            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+        n_seqs = len(scheduled)
+        starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
+        lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
+        offsets = torch.cumsum(lens, 0) - lens  # first row of each sequence in the flattened batch
+        seq_of_token = torch.repeat_interleave(torch.arange(n_seqs), lens)
+        positions = starts[seq_of_token] + torch.arange(int(lens.sum())) - offsets[seq_of_token]
+        width = max(len(s.block_table) for s in scheduled)
+        tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in scheduled], dtype=torch.int64)
+        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
+        ctx = starts + lens
+
+        groups: list[AttnGroup] = []
+        for sel in _attention_buckets(lens, ctx, bs):
+            g_ctx = ctx[sel]
+            nblocks = int((g_ctx.max() + bs - 1) // bs)
+            groups.append(
+                build_group(
+                    offsets[sel].to(dev),
+                    lens[sel].to(dev),
+                    g_ctx.to(dev),
+                    tables[sel, :nblocks].to(dev),
+                    bs,
+                    self.model.config.sliding_window,
+                )
+            )
+        samples = torch.tensor([s.samples for s in scheduled], dtype=torch.bool)
+        sample_rows = (offsets + lens - 1)[samples]
+        slot_list = [s.lora_slot for s in scheduled]
+        slots = torch.tensor(slot_list, dtype=torch.int64)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            attn=AttnMetadata(slot_mapping=slot_mapping.to(dev), groups=tuple(groups)),
+            sample_rows=sample_rows.to(dev),
+            sampled=[s for s in scheduled if s.samples],
+            token_slots=slots[seq_of_token].to(dev),
+            has_lora=max(slot_list) >= 0,
+        )
+
+    def sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
+        params = [s.seq.params for s in sampled]
+        temps = [p.temperature for p in params]
+        top_p = [p.top_p for p in params]
+        top_k = [max(p.top_k, 0) for p in params]
+        banned_rows: list[int] = []
+        banned_cols: list[int] = []
+        for row, s in enumerate(sampled):
+            p = s.seq.params
+            if s.seq.num_output_tokens < p.min_tokens:
+                for tok in (*self.eos_token_ids, *p.stop_token_ids):
+                    banned_rows.append(row)
+                    banned_cols.append(tok)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        dev = self.device
+        return SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
+            seeds=torch.tensor([s.seq.seed for s in sampled], dtype=torch.int64, device=dev),
+            counters=torch.tensor([s.seq.num_output_tokens for s in sampled], dtype=torch.int64, device=dev),
+            banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=dev) if banned_rows else None,
+            banned_cols=torch.tensor(banned_cols, dtype=torch.int64, device=dev) if banned_rows else None,
+            num_logprobs=max(logprobs) if logprobs else -1,
+            all_greedy=all(t == 0 for t in temps),
+            any_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p),
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, adapters=None) -> tuple[StepInputs, SamplerOutput | None]:
+        inputs = self.prepare(plan)
+        lora: LoraHook | None = None
+        if inputs.has_lora:
+            from services.engine.lora.step import StepLora
+
+            lora = StepLora(adapters, inputs.token_slots)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
+        if not inputs.sampled:
+            return inputs, None
+        logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
+        return inputs, sample(logits, self.sampling_batch(inputs.sampled))
+
+
+def _attention_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, max_buckets: int = 4) -> list[torch.Tensor]:
+    """Index sets of sequences attended together. Prefill chunks form one group; decode rows are
+    split by context length so that no row pays for the longest context in the batch (the padded
+    key gather is most of a CPU decode step). Bucket edges are chosen where they save the most padding."""
+    out: list[torch.Tensor] = []
+    prefill = (lens > 1).nonzero().squeeze(1)
+    if prefill.numel():
+        out.append(prefill)
+    decode = (lens == 1).nonzero().squeeze(1)
+    if decode.numel() == 0:
+        return out
+    blocks = (ctx[decode] + block_size - 1) // block_size
+    order = torch.argsort(blocks)
+    decode, blocks = decode[order], blocks[order].tolist()
+    n = len(blocks)
+    cuts = [0, n]
+    for _ in range(max_buckets - 1):
+        # Greedy: add the cut that removes the most padded blocks (rows * (bucket max - row length)).
+        best, best_gain = None, 0
+        for a, b in zip(cuts, cuts[1:]):
+            top = blocks[b - 1]
+            for c in range(a + 1, b):
+                gain = (c - a) * (top - blocks[c - 1])
+                if gain > best_gain and blocks[c - 1] != top:
+                    best, best_gain = c, gain
+        if best is None or best_gain * 4 < n:  # a bucket costs a kernel launch per layer: not for crumbs
+            break
+        cuts = sorted(cuts + [best])
+    out += [decode[a:b] for a, b in zip(cuts, cuts[1:])]
+    return out

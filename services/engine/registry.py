@@ -1,0 +1,116 @@
+"""Engine heartbeats into the Redis registry the gateway routes by (entries expire if an engine dies)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("mplex.engine.registry")
+
+REGISTRY_SET = "mplex:engines"
+RETIRED_ADAPTERS = "mplex:adapters:retired"  # content ids of deleted adapters: engines unload them
+ENTRY_TTL_S = 5
+INTERVAL_S = 1.0
+
+
+def entry_key(engine_id: str) -> str:
+    return f"mplex:engine:{engine_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Uptime:
+    """The origin of an engine's time accounting (taken when it starts serving): billing turns the deltas of
+    `wall_s` and `busy_s` between registry samples into busy (attributed) and idle (unallocated) windows."""
+
+    started_at: float  # epoch seconds
+    monotonic: float
+    busy_seconds: float  # engine.stats.busy_seconds at the origin
+
+    @classmethod
+    def start(cls, engine) -> Uptime:
+        return cls(time.time(), time.monotonic(), engine.stats.busy_seconds)
+
+
+def default_engine_type() -> str:
+    """The hardware type this engine is priced as (engine_types.name); MPLEX_ENGINE_TYPE, like the settings."""
+    return os.environ.get("MPLEX_ENGINE_TYPE") or "cpu"
+
+
+def snapshot(engine, url: str, uptime: Uptime | None = None, engine_type: str | None = None) -> dict:
+    """What the router needs: base model, resident adapters, load; with `uptime`, what billing needs:
+    cumulative step time (`busy_s`, the time attributed to requests) and wall time since the origin.
+    Read on the step-loop thread, so the two are consistent (never mid-step)."""
+    a = engine.adapters
+    billing = {}
+    if uptime is not None:
+        billing = {
+            "engine_type": engine_type or default_engine_type(),
+            "started_at": uptime.started_at,
+            "wall_s": time.monotonic() - uptime.monotonic,
+            "busy_s": engine.stats.busy_seconds - uptime.busy_seconds,
+        }
+    return {
+        "id": engine.config.engine_id,
+        "url": url,
+        "base_model": engine.config.model_name,
+        "host_adapters": [w.content_id for w in a.resident()] if a else [],
+        "slot_adapters": [c for c in a.slot_owners() if c] if a else [],
+        "running": engine.scheduler.num_running,
+        "waiting": engine.scheduler.num_waiting,
+        "kv_usage": round(engine.kv.usage, 4),
+        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "max_model_len": engine.max_model_len,
+        "ts": time.time(),
+        **billing,
+    }
+
+
+def _unload_retired(engine, content_id: str) -> None:
+    from services.common.lora_format import AdapterFormatError
+
+    try:
+        if engine.adapters.unload(content_id):
+            log.info("unloaded retired adapter", extra={"content_id": content_id})
+    except AdapterFormatError:
+        pass  # still pinned by running requests: the next heartbeat tries again
+
+
+async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event, engine_type: str | None = None) -> None:
+    """Publish a snapshot every second until `stop`; deregister on the way out (drain)."""
+    client = aioredis.from_url(redis_url)
+    engine_id = async_engine.engine.config.engine_id
+    uptime = await async_engine.call(Uptime.start)
+    try:
+        while not stop.is_set():
+            try:
+                snap = await async_engine.call(lambda e: snapshot(e, url, uptime, engine_type))
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.set(entry_key(engine_id), orjson.dumps(snap), ex=ENTRY_TTL_S)
+                    pipe.sadd(REGISTRY_SET, engine_id)
+                    pipe.expire(REGISTRY_SET, 60)
+                    pipe.smembers(RETIRED_ADAPTERS)
+                    *_, retired = await pipe.execute()
+                resident = set(snap["host_adapters"]) | set(snap["slot_adapters"])
+                for cid in {r.decode() for r in retired} & resident:
+                    await async_engine.call(lambda e, c=cid: _unload_retired(e, c))
+            except (RedisError, OSError) as exc:
+                log.warning("registry heartbeat failed: %s", exc)
+            except Exception:  # never let the heartbeat kill the server; the entry just goes stale
+                log.exception("registry heartbeat error")
+            try:
+                await asyncio.wait_for(stop.wait(), INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        try:
+            await client.delete(entry_key(engine_id))
+            await client.srem(REGISTRY_SET, engine_id)
+        except (RedisError, OSError):
+            pass
+        await client.aclose()

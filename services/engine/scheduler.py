@@ -1,0 +1,210 @@
+"""Iteration-level continuous batching: which sequences run this step and how many tokens each.
+
+Every step spends a token budget: running decodes first (so a long prompt never stalls them), then
+partially prefilled prompts, then new admissions by priority class and arrival. Admission needs free
+KV blocks; when a running sequence cannot grow, the lowest-priority, latest-arrived sequence is
+preempted and later recomputed. The scheduler never touches tensors: its output is a `StepPlan`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.engine.config import SchedulerConfig
+from services.engine.kv.manager import KVCacheManager
+from services.engine.sequence import Priority, Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens already in the cache when the step starts
+    num_new_tokens: int
+    block_table: tuple[int, ...]
+    lora_slot: int  # -1 = base model
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so a new one is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs from the adapter manager (device slots for LoRA weights)."""
+
+    def is_host_resident(self, content_id: str) -> bool:
+        """The adapter is loaded in host memory (so only a free slot is missing)."""
+
+    def acquire(self, seq: Sequence) -> int | None:
+        """Pin the sequence's adapter into a device slot and return it, or None if it cannot be now."""
+
+    def release(self, seq: Sequence) -> None:
+        """Unpin the sequence's adapter (the sequence left the running set)."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, adapters: AdapterSlots | None = None):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.adapters = adapters
+        self.waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.num_tokens + seq.params.max_tokens - seq.num_output_tokens <= self.max_model_len
+        self._arrivals += 1
+        seq.arrival_order = self._arrivals
+        seq.status = Status.WAITING
+        self.waiting[seq.priority].append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence (completed or aborted) and free its KV blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._release_adapter(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting[seq.priority].remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+
+        # Decodes before partial prefills: a long prompt must never stall the sequences already streaming.
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.config.chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
+                continue
+            while seq.status is Status.RUNNING and not self.kv.allocate(seq, num_new):
+                self._preempt(self._pick_victim(), plan)
+                budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+            if seq.status is not Status.RUNNING:
+                continue
+            plan.scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+
+        if not plan.preempted:
+            self._admit(plan)
+        # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
+        plan.scheduled.sort(key=lambda s: s.lora_slot)
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+        starving = False  # some request has waited too long for a slot: stop pinning others
+        for priority in Priority:
+            queue = self.waiting[priority]
+            skipped: list[Sequence] = []
+            blocked = False
+            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = queue[0]
+                hit = self.kv.match_prefix(seq)
+                remaining = seq.num_tokens - hit.num_tokens
+                num_new = min(remaining, budget)
+                if not self.config.chunked_prefill and num_new < remaining:
+                    blocked = True
+                    break
+                slot = -1
+                if seq.adapter is not None and self.adapters is not None:
+                    acquired = None if starving else self.adapters.acquire(seq)
+                    if acquired is None:  # its adapter cannot be resident now: let others through
+                        if self.adapters.is_host_resident(seq.adapter.content_id):
+                            seq.slot_wait_steps += 1
+                            starving |= seq.slot_wait_steps >= self.config.lora_starvation_steps
+                        skipped.append(queue.popleft())
+                        continue
+                    slot = acquired
+                if not self.kv.allocate(seq, num_new, hit):
+                    victim = self._pick_victim() if self.running else None
+                    if victim is not None and victim.priority > seq.priority:
+                        # A higher class waits on KV: recompute a lower-class sequence later instead.
+                        if slot >= 0:
+                            self.adapters.release(seq)
+                        self._preempt(victim, plan)
+                        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+                        continue
+                    if slot >= 0:
+                        self.adapters.release(seq)
+                    blocked = True
+                    break
+                queue.popleft()
+                seq.lora_slot = slot
+                seq.slot_wait_steps = 0
+                seq.num_computed_tokens = hit.num_tokens
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = hit.num_tokens
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                plan.scheduled.append(self._scheduled(seq, num_new))
+                budget -= num_new
+            queue.extendleft(reversed(skipped))
+            if blocked or len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                break  # lower classes wait while a higher class is blocked on KV or seats
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            seq=seq,
+            start=seq.num_computed_tokens,
+            num_new_tokens=num_new,
+            block_table=tuple(self.kv.block_table(seq.request_id)),
+            lora_slot=seq.lora_slot,
+        )
+
+    def _pick_victim(self) -> Sequence:
+        return max(self.running, key=lambda s: s.sort_key)
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Free a running sequence's blocks; it goes back to the front of its class and is recomputed."""
+        self.running.remove(seq)
+        self._release_adapter(seq)
+        self.kv.free(seq.request_id)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[seq.priority].appendleft(seq)
+        plan.preempted.append(seq)
+        plan.scheduled[:] = [s for s in plan.scheduled if s.seq is not seq]
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.release(seq)
+        seq.lora_slot = -1

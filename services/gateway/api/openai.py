@@ -1,0 +1,303 @@
+"""The OpenAI-compatible API: auth -> resolve model -> reserve quota -> route -> stream -> settle + meter."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import ORJSONResponse
+from starlette.background import BackgroundTask
+
+from services.common.errors import (
+    ApiError,
+    InsufficientQuotaError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
+from services.common.ids import new_request_id
+from services.common.keys import SCOPE_INFERENCE
+from services.common.logging import bind
+from services.common.streaming import ClosingStreamingResponse
+from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Delta, Usage
+from services.common.openai_serving import OpenAIPlan, collect, merge, plan_request, stream_sse
+from services.common.wire import InvalidRequest
+from services.gateway.metering import UsageRecord
+from services.gateway.quotas import QuotaExceeded, QuotaUnavailable, Reservation
+from services.gateway.resolve import ResolvedModel
+from services.gateway.upstream import NoEngineAvailable, StreamResult, UpstreamRefused, open_choice
+
+log = logging.getLogger("mplex.gateway")
+router = APIRouter()
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    gw = request.app.state.gw
+    principal = await gw.key_auth.authenticate(request.headers.get("authorization"))
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "multiplex"} for name in gw.resolver.bases]
+    for name, created in await asyncio.to_thread(gw.resolver.list_ready, principal.tenant_id):
+        data.append({"id": name, "object": "model", "created": created, "owned_by": principal.tenant_slug,
+                     "parent": gw.resolver.default_base.name})
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    return await _generate("chat", req, request)
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    return await _generate("completion", req, request)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One request's bookkeeping, finalized exactly once whatever way it ends."""
+
+    gw: Any
+    principal: Any
+    resolved: ResolvedModel
+    plan: OpenAIPlan
+    reservation: Reservation
+    request_id: str
+    client_request_id: str | None
+    accepted_at: datetime
+    t0: float
+    results: list[StreamResult]
+    done: bool = False
+
+    def usage(self) -> Usage:
+        """OpenAI semantics: each distinct prompt counts once, every choice's output counts."""
+        u = Usage()
+        seen: set[int] = set()
+        for job, r in zip(self.plan.jobs, self.results):
+            prompt_key = id(job.prompt_ids)
+            if prompt_key not in seen and (r.usage.prompt_tokens or r.engine_id):
+                seen.add(prompt_key)
+                u.prompt_tokens += len(job.prompt_ids)
+                u.cached_tokens += r.usage.cached_tokens
+            u.completion_tokens += r.usage.completion_tokens if r.finish_reason else r.delivered_tokens
+        return u
+
+    async def finalize(self, status: str, http_status: int, error_code: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        with anyio.CancelScope(shield=True):  # a client hanging up must not cancel the money path
+            gw = self.gw
+            u = self.usage()
+            await gw.quotas.settle(self.reservation, u.prompt_tokens + u.completion_tokens)
+            end = time.monotonic()
+            firsts = [r.first_token_at for r in self.results if r.first_token_at is not None]
+            ttft = (min(firsts) - self.t0) if firsts else None
+            tpot = ((end - min(firsts)) / (u.completion_tokens - 1)) if firsts and u.completion_tokens > 1 else None
+            rec = UsageRecord(
+                request_id=self.request_id,
+                tenant_id=self.principal.tenant_id,
+                api_key_id=self.principal.key_id,
+                model=self.resolved.requested,
+                base_model=self.resolved.base.name,
+                adapter_version_id=self.resolved.adapter.version_id if self.resolved.adapter else None,
+                prompt_tokens=u.prompt_tokens,
+                cached_tokens=min(u.cached_tokens, u.prompt_tokens),
+                completion_tokens=u.completion_tokens,
+                status=status,
+                http_status=http_status,
+                created_at=self.accepted_at,
+                error_code=error_code,
+                client_request_id=self.client_request_id,
+                first_token_ms=int(ttft * 1000) if ttft is not None else None,
+                finished_ms=int((end - self.t0) * 1000),
+                engine_id=next((r.engine_id for r in self.results if r.engine_id), None),
+                compute_us=int(sum(r.compute_seconds for r in self.results) * 1e6),
+            )
+            via = await gw.meter.record(rec)
+            m = gw.metrics
+            m.tokens.labels(kind="prompt").inc(u.prompt_tokens)
+            m.tokens.labels(kind="cached").inc(rec.cached_tokens)
+            m.tokens.labels(kind="completion").inc(u.completion_tokens)
+            if status == "ok":
+                m.observe_generation(ttft, tpot)
+            if gw.pricer is not None:
+                m.billed.inc(gw.pricer.price_record(rec))
+            log.info(
+                "request finished",
+                extra={"request_id": self.request_id, "client_request_id": self.client_request_id,
+                       "tenant": str(self.principal.tenant_id), "model": self.resolved.requested, "status": status,
+                       "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                       "engine_id": rec.engine_id, "ledger": via},
+            )
+
+
+async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, request: Request):
+    gw = request.app.state.gw
+    t0 = time.monotonic()
+    accepted_at = datetime.now(timezone.utc)
+    principal = await gw.key_auth.authenticate(request.headers.get("authorization"))
+    if SCOPE_INFERENCE not in principal.scopes:
+        raise PermissionDeniedError("This API key may not run inference.", code="missing_scope")
+    resolved = await gw.resolver.resolve(principal.tenant_id, req.model)
+    builder = gw.resolver.builders[resolved.base.name]
+    try:
+        plan = plan_request(kind, req, builder, resolved.base.max_model_len)
+    except InvalidRequest as exc:
+        raise ApiError.from_invalid_request(exc) from None
+    request_id = new_request_id()
+    client_id = request.headers.get("x-client-request-id") or request.headers.get("x-request-id")
+    client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
+    bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
+    try:
+        reservation = await gw.quotas.reserve(request_id, principal.quota_scopes(), plan.worst_case_tokens)
+    except QuotaExceeded as exc:
+        gw.metrics.quota_rejections.labels(reason=exc.window).inc()
+        if exc.is_budget:
+            raise InsufficientQuotaError(
+                "You exceeded your monthly token budget; raise the budget or wait for the next month.",
+                headers=exc.headers) from None
+        raise RateLimitError(
+            f"Rate limit reached for {exc.scope} {exc.window.replace('_', ' ')}: limit {exc.limit}, in use {exc.current}, "
+            f"this request needs {plan.worst_case_tokens if 'token' in exc.window else 1}. Retry after {exc.headers.get('retry-after', '1')}s.",
+            code="rate_limit_exceeded", headers=exc.headers) from None
+    except QuotaUnavailable as exc:
+        gw.metrics.quota_rejections.labels(reason="quota_store_down").inc()
+        raise ServiceUnavailableError(f"Quota service unavailable ({exc}); requests are refused until it returns.",
+                                      code="quota_unavailable") from None
+
+    call = _Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
+                 [StreamResult() for _ in plan.jobs])
+    headers = {"x-request-id": request_id, **reservation.headers}
+    try:
+        engines = await gw.registry.engines(resolved.base.name)
+        if not engines:
+            raise NoEngineAvailable(f"no engine is serving {resolved.base.name}")
+        adapter = resolved.adapter
+        affinity = adapter.content_sha256.encode() if adapter else (principal.cache_salt + repr(plan.jobs[0].prompt_ids[:32])).encode()
+        order = gw.router.order(engines, affinity, adapter.content_sha256 if adapter else None)
+        streams = []
+        first_of_prompt: set[int] = set()
+        for job, result in zip(plan.jobs, call.results):
+            counts_prompt = id(job.prompt_ids) not in first_of_prompt
+            first_of_prompt.add(id(job.prompt_ids))
+            payload = {
+                "request_id": request_id if len(plan.jobs) == 1 else f"{request_id}.{job.index}",
+                "prompt_token_ids": job.prompt_ids,
+                "sampling": _sampling_dict(job.params),
+                "priority": req.priority_class.name.lower(),
+                "cache_salt": principal.cache_salt,
+                "client_request_id": client_id,
+                "adapter": ({"content_id": adapter.content_sha256, "name": f"{adapter.name}@{adapter.version}",
+                             "uri": adapter.storage_uri} if adapter else None),
+            }
+            streams.append(_choice(gw, order, payload, job.index, result, counts_prompt))
+        items = merge(streams)
+        first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
+    except BaseException as exc:
+        status, http_status, code = _failure(exc)
+        await call.finalize(status, http_status, code)
+        raise _as_api_error(exc, gw) from None
+
+    if req.stream:
+        async def body() -> AsyncIterator[bytes]:
+            status, http_status, code = "cancelled", 499, "client_disconnected"
+            try:
+                async for chunk in stream_sse(plan, _response_id(kind, request_id), req.model, _prepend(first, items)):
+                    yield chunk
+                status, http_status, code = "ok", 200, None
+            except (UpstreamRefused, NoEngineAvailable, OSError) as exc:
+                gw.metrics.upstream_errors.labels(kind="stream").inc()
+                status, http_status, code = "error", 502, exc.__class__.__name__
+                log.warning("stream %s broke: %s", request_id, exc)
+            finally:
+                await call.finalize(status, http_status, code)
+
+        return ClosingStreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    try:
+        body, _ = await _unless_disconnected(request, collect(plan, _response_id(kind, request_id), req.model, _prepend(first, items)))
+    except BaseException as exc:
+        status, http_status, code = _failure(exc)
+        await call.finalize(status, http_status, code)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise _as_api_error(exc, gw) from None
+    body["usage"] = call.usage().to_dict()
+    # Settle and meter after the response is on the wire: the client does not wait for Postgres.
+    return ORJSONResponse(body, headers=headers, background=BackgroundTask(call.finalize, "ok", 200))
+
+
+def _choice(gw, order, payload, index: int, result: StreamResult, counts_prompt: bool):
+    async def gen():
+        async for delta, usage in open_choice(gw.http, gw.router, order, payload, index, result, time.monotonic):
+            if usage is not None and not counts_prompt:
+                usage = Usage(0, usage.completion_tokens, 0)  # a prompt counts once, however many choices it has
+            yield delta, usage
+
+    return gen()
+
+
+async def _prepend(first, items: AsyncIterator) -> AsyncIterator:
+    try:
+        yield first
+        async for item in items:
+            yield item
+    finally:
+        await items.aclose()
+
+
+def _sampling_dict(params) -> dict[str, Any]:
+    d = dataclasses.asdict(params)
+    d["stop"] = list(d["stop"])
+    d["stop_token_ids"] = list(d["stop_token_ids"])
+    return d
+
+
+def _response_id(kind: str, request_id: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+
+
+def _failure(exc: BaseException) -> tuple[str, int, str | None]:
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled", 499, "client_disconnected"
+    if isinstance(exc, UpstreamRefused):
+        return "error", exc.status, (exc.body.get("error") or {}).get("code")
+    if isinstance(exc, NoEngineAvailable):
+        return "error", 503, "no_engine"
+    return "error", 500, exc.__class__.__name__
+
+
+def _as_api_error(exc: BaseException, gw) -> BaseException:
+    if isinstance(exc, UpstreamRefused):
+        err = exc.body.get("error") or {}
+        gw.metrics.upstream_errors.labels(kind="refused").inc()
+        cls = ApiError.from_invalid_request(InvalidRequest(err.get("message", str(exc)), err.get("param"), err.get("code"), exc.status))
+        return cls
+    if isinstance(exc, NoEngineAvailable):
+        gw.metrics.upstream_errors.labels(kind="connect").inc()
+        return ServiceUnavailableError(f"No engine could serve the request right now: {exc}", code="no_engine_available")
+    return exc
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Run a non-streaming generation; if the client hangs up, cancel it (which aborts upstream)."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            raise asyncio.CancelledError("client disconnected")

@@ -1,0 +1,205 @@
+"""Response shapes of the management API (docs/api.md) and their builders from database rows.
+
+One builder per resource so the tenant and admin routes (and the web app) see identical shapes.
+Builders never include secrets: a key's hash and a user's password hash have no field here.
+"""
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
+
+from services.common.models import AdapterVersion, ApiKey, GateDecision, Tenant, TenantLimits, User
+from services.gateway.crud import LIMIT_FIELDS, AdapterWithVersions
+
+T = TypeVar("T")
+
+
+class ListOf(BaseModel, Generic[T]):
+    data: list[T]
+
+
+class UserOut(BaseModel):
+    id: uuid.UUID
+    email: str
+    role: str
+    tenant_id: uuid.UUID | None
+    tenant_name: str | None
+
+
+class SessionOut(BaseModel):
+    user: UserOut
+    csrf_token: str
+
+
+class LimitsOut(BaseModel):
+    tokens_per_min: int | None = None
+    requests_per_min: int | None = None
+    concurrent_requests: int | None = None
+    monthly_token_budget: int | None = None
+
+
+class TenantOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    slug: str
+    plan: str
+    status: str
+    limits: LimitsOut
+
+
+class AdminTenantOut(TenantOut):
+    usage_this_month_tokens: int
+
+
+class KeyOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    prefix: str
+    scopes: list[str]
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class CreatedKeyOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    prefix: str
+    key: str  # the only time the full key is ever sent
+    created_at: datetime
+
+
+class ProgressOut(BaseModel):
+    percent: int
+    step: str | None
+
+
+class ReasonOut(BaseModel):
+    code: str
+    message: str
+
+
+class EvalOut(BaseModel):
+    passed: bool | None
+    metrics: dict[str, Any]
+    thresholds: dict[str, Any]
+    examples: list[Any]
+
+
+class OverrideOut(BaseModel):
+    by: str
+    reason: str
+    at: datetime
+
+
+class VersionOut(BaseModel):
+    id: uuid.UUID
+    adapter_id: uuid.UUID
+    adapter_name: str
+    version: int
+    status: str
+    progress: ProgressOut
+    reasons: list[ReasonOut]
+    rank: int | None
+    target_modules: list[str] | None
+    content_sha256: str
+    eval: EvalOut | None
+    override: OverrideOut | None
+    created_at: datetime
+    ready_at: datetime | None
+
+
+class AdapterOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    active_version: int | None  # the version number `name` routes to; null = not routable
+    versions: list[VersionOut]
+
+
+class EngineOut(BaseModel):
+    id: str
+    url: str
+    base_model: str
+    running: int
+    waiting: int
+    kv_usage: float
+    slot_adapters: list[str]  # content ids (sha256) in device slots
+    host_adapters: list[str]  # content ids cached in host memory
+    updated_at: datetime | None
+
+
+def user_out(user: User, tenant_name: str | None) -> UserOut:
+    return UserOut(id=user.id, email=user.email, role=str(user.role), tenant_id=user.tenant_id, tenant_name=tenant_name)
+
+
+def limits_out(row: TenantLimits | None) -> LimitsOut:
+    return LimitsOut(**{f: getattr(row, f) for f in LIMIT_FIELDS}) if row is not None else LimitsOut()
+
+
+def tenant_out(tenant: Tenant) -> TenantOut:
+    return TenantOut(id=tenant.id, name=tenant.name, slug=tenant.slug, plan=tenant.plan, status=str(tenant.status),
+                     limits=limits_out(tenant.limits))
+
+
+def admin_tenant_out(tenant: Tenant, tokens_this_month: int) -> AdminTenantOut:
+    return AdminTenantOut(**tenant_out(tenant).model_dump(), usage_this_month_tokens=tokens_this_month)
+
+
+def key_out(row: ApiKey) -> KeyOut:
+    return KeyOut(id=row.id, name=row.name, prefix=row.prefix, scopes=list(row.scopes), created_at=row.created_at,
+                  last_used_at=row.last_used_at, revoked_at=row.revoked_at)
+
+
+def _eval_out(v: AdapterVersion) -> EvalOut | None:
+    """The gate's verdict: the version's eval summary when the pipeline wrote one, else its latest decided run."""
+    summary = v.eval_summary or {}
+    run = next((r for r in reversed(v.eval_runs) if r.decision is not None), None)
+    if not summary and run is None:
+        return None
+    passed = summary.get("passed", run.decision == GateDecision.PASS if run is not None else None)
+    return EvalOut(
+        passed=passed,
+        metrics=summary.get("metrics", run.metrics if run is not None else {}),
+        thresholds=summary.get("thresholds", v.gate_config or {}),
+        examples=summary.get("examples", run.examples if run is not None else []),
+    )
+
+
+def version_out(v: AdapterVersion, *, override_by: str | None = None) -> VersionOut:
+    """`override_by`: how to name the overriding admin (an email for admins; tenants see only the role)."""
+    override = None
+    if v.override_at is not None:
+        override = OverrideOut(by=override_by or "platform admin", reason=v.override_reason or "", at=v.override_at)
+    reasons = [ReasonOut(code=str(r.get("code", "")), message=str(r.get("message", "")))
+               for r in (v.status_reasons or []) if isinstance(r, dict)]
+    return VersionOut(
+        id=v.id, adapter_id=v.adapter_id, adapter_name=v.adapter.name, version=v.version, status=str(v.status),
+        progress=ProgressOut(percent=v.progress_percent, step=v.progress_step), reasons=reasons, rank=v.rank,
+        target_modules=list(v.target_modules) if v.target_modules is not None else None,
+        content_sha256=v.content_sha256, eval=_eval_out(v), override=override, created_at=v.created_at,
+        ready_at=v.ready_at,
+    )
+
+
+def adapter_out(item: AdapterWithVersions, *, override_names: dict[uuid.UUID, str] | None = None) -> AdapterOut:
+    names = override_names or {}
+    active = item.active
+    return AdapterOut(
+        id=item.adapter.id, name=item.adapter.name, active_version=active.version if active else None,
+        versions=[version_out(v, override_by=names.get(v.override_by)) for v in item.versions],
+    )
+
+
+def engine_out(snapshot: dict[str, Any]) -> EngineOut:
+    ts = snapshot.get("ts")
+    return EngineOut(
+        id=str(snapshot["id"]), url=str(snapshot.get("url", "")), base_model=str(snapshot.get("base_model", "")),
+        running=int(snapshot.get("running", 0)), waiting=int(snapshot.get("waiting", 0)),
+        kv_usage=float(snapshot.get("kv_usage", 0.0)),
+        slot_adapters=[str(a) for a in snapshot.get("slot_adapters", ())],
+        host_adapters=[str(a) for a in snapshot.get("host_adapters", ())],
+        updated_at=datetime.fromtimestamp(float(ts), tz=timezone.utc) if ts is not None else None,
+    )

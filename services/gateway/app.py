@@ -1,0 +1,157 @@
+"""The gateway's FastAPI app: wiring only (routers, error shapes, health, metrics, the web app)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common.errors import ApiError
+from services.common.openai_protocol import error_body
+from services.common.settings import Settings
+from services.common.wire import InvalidRequest
+from services.gateway.state import Gateway, build_gateway
+
+log = logging.getLogger("mplex.gateway")
+WEB_DIST = Path(__file__).resolve().parents[2] / "web" / "dist"
+
+
+class _MetricsMiddleware:
+    """Counts requests by route template and status, and times them to the last byte (pure ASGI:
+    Starlette's BaseHTTPMiddleware costs a task and a queue per request)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            if path not in ("/metrics", "/health", "/ready") and "app" in scope:
+                m = scope["app"].state.gw.metrics
+                m.requests.labels(route=path, status=str(status[0])).inc()
+                m.duration.labels(route=path).observe(time.perf_counter() - t0)
+
+
+def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: Path | None = WEB_DIST) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gw = gateway
+        if gw is None:
+            from services.common.embedded import resolve_urls
+
+            urls = resolve_urls(settings)
+            model_dir = settings.base_model_dir
+            if model_dir is None:
+                from services.modelkit import ensure_demo
+
+                model_dir = ensure_demo(settings.home, progress=False).base_dir
+            gw = build_gateway(settings, database_url=urls.database_url, redis_url=urls.redis_url, base_model_dir=model_dir)
+        try:
+            from services.billing.pricing import Pricer
+
+            gw.pricer = Pricer(gw.session_factory)
+        except ModuleNotFoundError:
+            gw.pricer = None
+        app.state.gw = gw
+        gw.meter.start()
+        yield
+        await gw.aclose()
+
+    app = FastAPI(title="Multiplex gateway", lifespan=lifespan, version="1")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest):
+        err = ApiError.from_invalid_request(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return JSONResponse(error_body(f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, code), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("The server had an error while processing your request.", "server_error", None, "internal_error"), 500)
+
+    app.add_middleware(_MetricsMiddleware)
+
+    @app.get("/health", include_in_schema=False)
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready(request: Request):
+        gw: Gateway = request.app.state.gw
+        checks = {}
+        try:
+            await gw.redis.ping()
+            checks["redis"] = "ok"
+        except Exception as exc:  # reported, not raised: this endpoint's job is to say what is down
+            checks["redis"] = f"down: {exc.__class__.__name__}"
+        try:
+            import asyncio
+
+            def ping() -> None:
+                with gw.session_factory() as s:
+                    s.execute(text("SELECT 1"))
+
+            await asyncio.to_thread(ping)
+            checks["postgres"] = "ok"
+        except Exception as exc:  # same: report which dependency is down
+            checks["postgres"] = f"down: {exc.__class__.__name__}"
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"ready": ok, "checks": checks}, 200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request):
+        return Response(generate_latest(request.app.state.gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    from services.gateway.api import openai as openai_routes
+
+    app.include_router(openai_routes.router)
+    for module in ("auth", "tenant", "tenant_usage", "admin", "finance", "adapters"):
+        try:
+            mod = __import__(f"services.gateway.api.{module}", fromlist=["router"])
+        except ModuleNotFoundError as exc:
+            if exc.name != f"services.gateway.api.{module}":
+                raise
+            continue
+        app.include_router(mod.router)
+    if web_dist is not None:
+        from services.gateway.static import mount_web
+
+        mount_web(app, web_dist)
+    return app

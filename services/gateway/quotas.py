@@ -1,0 +1,215 @@
+"""Token-metered quotas in Redis: one Lua script checks and reserves a request's worst case against
+every window of its tenant and key; another replaces the reservation by actual usage, exactly once.
+
+Windows: tokens/min and requests/min (fixed minute windows), concurrent requests (a sorted set of
+live reservations that heals itself when a holder dies) and monthly tokens. Every key has a TTL.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+RESERVATION_TTL_S = 3600  # the longest a request may hold a reservation before it is presumed dead
+MINUTE_TTL_S = 120
+MONTH_TTL_S = 40 * 86400
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    tokens_per_min: int | None = None
+    requests_per_min: int | None = None
+    concurrent: int | None = None
+    monthly_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    kind: str  # "tenant" | "key"
+    id: str
+    limits: Limits
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, window: str, scope: str, retry_after_s: float, limit: int, current: int, headers: dict[str, str]):
+        super().__init__(f"{scope} {window} limit {limit} reached")
+        self.window, self.scope, self.retry_after_s = window, scope, retry_after_s
+        self.limit, self.current, self.headers = limit, current, headers
+
+    @property
+    def is_budget(self) -> bool:
+        return self.window == "monthly_tokens"
+
+
+class QuotaUnavailable(Exception):
+    """Redis could not be reached and the gateway fails closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    request_id: str
+    tokens: int
+    headers: dict[str, str]
+    enforced: bool = True  # False when Redis was down and the gateway failed open
+
+
+def _script(name: str) -> str:
+    return resources.files("services.gateway").joinpath(name).read_text()
+
+
+def _duration(ms: float) -> str:
+    s = max(0.0, ms / 1000)
+    return f"{int(s // 60)}m{s % 60:.0f}s" if s >= 60 else f"{s:.0f}s" if s >= 1 else f"{int(ms)}ms"
+
+
+class Quotas:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        fail_open: bool = False,
+        prefix: str = "q",
+        month_usage: Callable[[str, str], Awaitable[int]] | None = None,
+    ):
+        self.redis = redis
+        self.fail_open = fail_open
+        self.prefix = prefix
+        self.month_usage = month_usage  # (scope kind, id) -> tokens used this month per the ledger
+        self._reserve_src, self._settle_src = _script("quota_reserve.lua"), _script("quota_settle.lua")
+        self._reserve_sha: str | None = None
+        self._settle_sha: str | None = None
+        self._settles: list[tuple[Reservation, int, asyncio.Future]] = []
+        self._settling = False
+
+    def _keys(self, scope: Scope, now: float) -> dict[str, str]:
+        minute = int(now // 60)
+        month = datetime.fromtimestamp(now, timezone.utc).strftime("%Y%m")
+        base = f"{self.prefix}:{scope.kind}:{scope.id}"
+        return {
+            "tokens_per_min": f"{base}:tpm:{minute}",
+            "requests_per_min": f"{base}:rpm:{minute}",
+            "concurrent": f"{base}:conc",
+            "monthly_tokens": f"{base}:tok:{month}",
+        }
+
+    async def _eval(self, which: str, keys: list[str], args: list) -> list:
+        sha_attr, src = ("_reserve_sha", self._reserve_src) if which == "reserve" else ("_settle_sha", self._settle_src)
+        sha = getattr(self, sha_attr)
+        if sha is None:
+            sha = await self.redis.script_load(src)
+            setattr(self, sha_attr, sha)
+        try:
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)
+        except NoScriptError:  # Redis restarted and lost its script cache
+            setattr(self, sha_attr, None)
+            return await self._eval(which, keys, args)
+
+    async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, now: float | None = None) -> Reservation:
+        now = time.time() if now is None else now
+        keys = [f"{self.prefix}:res:{request_id}"]
+        args: list = [int(now * 1000), request_id, RESERVATION_TTL_S, 0]
+        checks: list[tuple[Scope, str]] = []
+        for scope in scopes:
+            names = self._keys(scope, now)
+            for window, kind, amount, ttl in (
+                ("tokens_per_min", "add", tokens, MINUTE_TTL_S),
+                ("requests_per_min", "add", 1, MINUTE_TTL_S),
+                ("concurrent", "concurrent", 1, RESERVATION_TTL_S),
+                ("monthly_tokens", "add", tokens, MONTH_TTL_S),
+            ):
+                limit = getattr(scope.limits, window)
+                if limit is None and window in ("concurrent", "monthly_tokens"):
+                    continue  # nothing to enforce; tokens/requests per minute are always counted for headers
+                keys.append(names[window])
+                args += [kind, -1 if limit is None else limit, amount, ttl, f"{scope.kind}:{window}"]
+                checks.append((scope, window))
+        args[3] = len(checks)
+        try:
+            await self._seed_months(scopes, now)
+            result = await self._eval("reserve", keys, args)
+        except (RedisError, OSError) as exc:
+            if self.fail_open:
+                return Reservation(request_id, tokens, {}, enforced=False)
+            raise QuotaUnavailable(f"quota store unavailable: {exc.__class__.__name__}") from None
+        if int(result[0]) == 1:
+            return Reservation(request_id, tokens, self._headers(checks, [int(x) for x in result[1:]], now))
+        name = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
+        if name == "duplicate_request":
+            raise QuotaExceeded("duplicate_request", "request", 0, 0, 0, {})
+        scope_kind, window = name.split(":", 1)
+        retry_ms, limit, current = int(result[2]), int(result[3]), int(result[4])
+        headers = {"retry-after": str(max(1, round(retry_ms / 1000)))}
+        if window in ("tokens_per_min", "requests_per_min"):
+            unit = "tokens" if window == "tokens_per_min" else "requests"
+            headers |= {f"x-ratelimit-limit-{unit}": str(limit), f"x-ratelimit-remaining-{unit}": str(max(0, limit - current)),
+                        f"x-ratelimit-reset-{unit}": _duration(retry_ms)}
+        raise QuotaExceeded(window, scope_kind, retry_ms / 1000, limit, current, headers)
+
+    async def _seed_months(self, scopes: list[Scope], now: float) -> None:
+        """A missing monthly counter (new month, or Redis lost it) starts from the ledger, not from zero."""
+        for scope in scopes:
+            if scope.limits.monthly_tokens is None or self.month_usage is None:
+                continue
+            key = self._keys(scope, now)["monthly_tokens"]
+            if not await self.redis.exists(key):
+                used = await self.month_usage(scope.kind, scope.id)
+                await self.redis.set(key, used, nx=True, ex=MONTH_TTL_S)
+
+    def _headers(self, checks: list[tuple[Scope, str]], remaining: list[int], now: float) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        reset = _duration((60 - now % 60) * 1000)
+        for unit, window in (("tokens", "tokens_per_min"), ("requests", "requests_per_min")):
+            best: tuple[int, int] | None = None
+            for (scope, w), left in zip(checks, remaining):
+                limit = getattr(scope.limits, w)
+                if w == window and limit is not None and (best is None or left < best[1]):
+                    best = (limit, left)
+            if best is not None:
+                headers[f"x-ratelimit-limit-{unit}"] = str(best[0])
+                headers[f"x-ratelimit-remaining-{unit}"] = str(max(0, best[1]))
+                headers[f"x-ratelimit-reset-{unit}"] = reset
+        return headers
+
+    async def settle(self, reservation: Reservation, actual_tokens: int) -> bool:
+        """Replace the reservation by actual usage. True if this call settled it (exactly-once).
+
+        Concurrent settles share one pipelined round trip (they run after the response is sent)."""
+        if not reservation.enforced:
+            return False
+        fut = asyncio.get_running_loop().create_future()
+        self._settles.append((reservation, actual_tokens, fut))
+        if not self._settling:
+            self._settling = True
+            asyncio.get_running_loop().create_task(self._flush_settles())
+        return await fut
+
+    async def _flush_settles(self) -> None:
+        try:
+            while self._settles:
+                await asyncio.sleep(0)  # let the settles of this loop iteration join the batch
+                batch, self._settles = self._settles[:512], self._settles[512:]
+                try:
+                    if self._settle_sha is None:
+                        self._settle_sha = await self.redis.script_load(self._settle_src)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for res, actual, _ in batch:
+                            pipe.evalsha(self._settle_sha, 1, f"{self.prefix}:res:{res.request_id}", actual, res.request_id)
+                        results = await pipe.execute(raise_on_error=False)
+                except (RedisError, OSError):
+                    results = [None] * len(batch)  # reservations expire on their own; windows heal within their TTL
+                retry = []
+                for (res, actual, fut), r in zip(batch, results):
+                    if isinstance(r, NoScriptError):
+                        self._settle_sha = None
+                        retry.append((res, actual, fut))
+                    elif not fut.done():
+                        fut.set_result(isinstance(r, int) and r == 1)
+                self._settles = retry + self._settles
+        finally:
+            self._settling = False

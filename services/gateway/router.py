@@ -1,0 +1,116 @@
+"""Picks an engine for a request: adapter residency and prefix affinity first, bounded load always.
+
+Consistent hashing with bounded loads (CHWBL): a request's affinity key (its adapter's content id,
+or its tenant-salted prompt prefix) maps to a point on a ring of engines; walking the ring, the
+first engine whose load stays under `bound x average` wins. Engines already holding the adapter are
+preferred. The rest of the walk is the retry order.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import orjson
+import redis.asyncio as aioredis
+
+from services.engine.registry import REGISTRY_SET, entry_key
+
+VNODES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    id: str
+    url: str
+    base_model: str
+    host_adapters: frozenset[str]
+    slot_adapters: frozenset[str]
+    running: int
+    waiting: int
+    kv_usage: float
+    max_num_seqs: int
+    max_model_len: int
+
+    @classmethod
+    def from_snapshot(cls, d: dict) -> "EngineInfo":
+        return cls(
+            id=d["id"], url=d["url"], base_model=d["base_model"],
+            host_adapters=frozenset(d.get("host_adapters", ())), slot_adapters=frozenset(d.get("slot_adapters", ())),
+            running=int(d.get("running", 0)), waiting=int(d.get("waiting", 0)), kv_usage=float(d.get("kv_usage", 0)),
+            max_num_seqs=int(d.get("max_num_seqs", 256)), max_model_len=int(d.get("max_model_len", 0)),
+        )
+
+    def holds(self, adapter: str | None) -> bool:
+        return adapter is not None and (adapter in self.slot_adapters or adapter in self.host_adapters)
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@dataclass
+class Router:
+    bound: float = 1.25
+    inflight: dict[str, int] = field(default_factory=dict)  # this gateway's own open streams per engine
+    _ring: tuple[tuple[str, ...], list[tuple[int, str]]] | None = None  # (engine ids, sorted ring), rebuilt on change
+
+    def load(self, e: EngineInfo) -> int:
+        return e.running + e.waiting + self.inflight.get(e.id, 0)
+
+    def order(self, engines: list[EngineInfo], affinity: bytes, adapter: str | None = None) -> list[EngineInfo]:
+        """All engines, best first; callers try them in order (retry on failure before the first token)."""
+        if not engines:
+            return []
+        ids = tuple(sorted(e.id for e in engines))
+        if self._ring is None or self._ring[0] != ids:
+            self._ring = (ids, sorted((_h(f"{eid}#{i}".encode()), eid) for eid in ids for i in range(VNODES)))
+        ring = self._ring[1]
+        by_id = {e.id: e for e in engines}
+        start = bisect.bisect(ring, (_h(affinity), ""))
+        walk: list[EngineInfo] = []
+        for k in range(len(ring)):
+            eid = ring[(start + k) % len(ring)][1]
+            if by_id[eid] not in walk:
+                walk.append(by_id[eid])
+                if len(walk) == len(by_id):
+                    break
+        total = sum(self.load(e) for e in engines) + 1
+        cap = math.ceil(self.bound * total / len(engines))
+        under = [e for e in walk if self.load(e) + 1 <= cap]
+        resident = [e for e in under if e.holds(adapter)]
+        first = resident or under
+        rest = sorted((e for e in walk if e not in first), key=self.load)
+        return first + rest
+
+    def opened(self, engine_id: str) -> None:
+        self.inflight[engine_id] = self.inflight.get(engine_id, 0) + 1
+
+    def closed(self, engine_id: str) -> None:
+        left = self.inflight.get(engine_id, 0) - 1
+        if left > 0:
+            self.inflight[engine_id] = left
+        else:
+            self.inflight.pop(engine_id, None)
+
+
+class Registry:
+    """Reads live engines from Redis, cached briefly so routing costs no round trip per request."""
+
+    def __init__(self, redis: aioredis.Redis, ttl_s: float = 0.5):
+        self.redis = redis
+        self.ttl_s = ttl_s
+        self._at = 0.0
+        self._engines: list[EngineInfo] = []
+
+    async def engines(self, base_model: str | None = None, *, fresh: bool = False) -> list[EngineInfo]:
+        if fresh or time.monotonic() - self._at > self.ttl_s:
+            ids = sorted(m.decode() for m in await self.redis.smembers(REGISTRY_SET))
+            raw = await self.redis.mget([entry_key(i) for i in ids]) if ids else []
+            self._engines = [EngineInfo.from_snapshot(orjson.loads(r)) for r in raw if r]
+            self._at = time.monotonic()
+        if base_model is None:
+            return list(self._engines)
+        return [e for e in self._engines if e.base_model == base_model]

@@ -1,0 +1,81 @@
+"""Everything a gateway process holds: clients, caches and the request-path components, built once."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import aiohttp
+import redis.asyncio as aioredis
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.common.settings import Settings
+from services.gateway.auth import KeyAuth
+from services.gateway.metering import Meter
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.quotas import Quotas
+from services.gateway.resolve import BaseModelInfo, ModelResolver
+from services.gateway.router import Registry, Router
+
+
+@dataclasses.dataclass
+class Gateway:
+    settings: Settings
+    session_factory: sessionmaker[Session]
+    redis: aioredis.Redis
+    key_auth: KeyAuth
+    quotas: Quotas
+    registry: Registry
+    router: Router
+    resolver: ModelResolver
+    meter: Meter
+    http: aiohttp.ClientSession
+    metrics: GatewayMetrics
+    pricer: object | None = None  # services.billing pricing, for the billed-amount metric
+
+    async def aclose(self) -> None:
+        await self.meter.stop()
+        await self.http.close()
+        await self.redis.aclose()
+
+
+def make_redis(url: str, max_connections: int = 256) -> aioredis.Redis:
+    """A client whose pool waits for a free connection under bursts instead of failing. Short socket
+    timeouts: a Redis outage must become a fast 503, not a hung request."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=5, socket_timeout=2, socket_connect_timeout=2,
+        health_check_interval=10,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def build_gateway(settings: Settings, *, database_url: str, redis_url: str, base_model_dir: Path) -> Gateway:
+    from services.common.db import make_engine, make_sessionmaker
+
+    engine = make_engine(database_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
+    session_factory = make_sessionmaker(engine)
+    redis = make_redis(redis_url)
+    metrics = GatewayMetrics()
+
+    async def month_usage(kind: str, scope_id: str) -> int:
+        import asyncio
+
+        from services.gateway.usage_queries import tokens_this_month
+
+        return await asyncio.to_thread(tokens_this_month, session_factory, kind, scope_id)
+
+    return Gateway(
+        settings=settings,
+        session_factory=session_factory,
+        redis=redis,
+        key_auth=KeyAuth(redis, session_factory, settings.secret(), settings.key_cache_ttl_s),
+        quotas=Quotas(redis, fail_open=settings.redis_fail_open, month_usage=month_usage),
+        registry=Registry(redis),
+        router=Router(),
+        resolver=ModelResolver(session_factory, [BaseModelInfo.from_dir(settings.base_model_name, base_model_dir)]),
+        meter=Meter(session_factory, settings.home / "spool", metrics),
+        http=aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=600.0),
+            connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=30),
+        ),
+        metrics=metrics,
+    )

@@ -1,0 +1,238 @@
+"""Multi-LoRA serving: engine == PEFT mixed-adapter generate (fp32) with many adapters in one batch,
+prefix-cache isolation between adapters, refusal of malformed adapters, loads off the step loop."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import fsspec
+import fsspec.implementations.local
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.common.lora_format import content_id
+from services.common.prompting import PromptBuilder
+from services.engine.sequence import AdapterRef, InvalidRequest, SamplingParams
+from tests.engine.conftest import make_engine, run_all
+from tests.engine.oracle import TieLog, hf_greedy
+
+MAX_NEW = 24
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANDOM_SPECS = [  # (rank, targets, alpha, rslora, rank_pattern)
+    (4, ["q_proj", "v_proj"], 8, False, None),
+    (8, ALL, 16, False, None),
+    (16, ["gate_proj", "up_proj", "down_proj"], 16, True, None),
+    (32, ["o_proj", "down_proj"], 32, False, None),
+    (64, ["k_proj", "v_proj"], 32, False, None),
+    (2, ["q_proj"], 4, False, None),
+    (8, ["up_proj", "down_proj"], 8, False, {"model.layers.0.mlp.down_proj": 12}),
+    (12, ALL, 24, True, None),
+    (6, ["q_proj", "k_proj", "o_proj"], 6, False, None),
+    (24, ["gate_proj"], 12, False, None),
+    (1, ALL, 2, False, None),
+    (48, ["v_proj", "o_proj", "up_proj"], 96, False, None),
+    (16, ["q_proj", "k_proj", "v_proj", "o_proj"], 8, False, {"k_proj": 4}),
+]
+
+
+@pytest.fixture(scope="module")
+def adapters(demo_kit, tmp_path_factory) -> dict[str, Path]:
+    from services.modelkit import make_random_adapter
+
+    out = {name: a.path for name, a in demo_kit.adapters.items()}
+    root = tmp_path_factory.mktemp("adapters")
+    for i, (r, targets, alpha, rs, rp) in enumerate(RANDOM_SPECS):
+        out[f"rand{i}"] = make_random_adapter(
+            demo_kit.base_dir, root / f"rand{i}", rank=r, target_modules=targets, lora_alpha=alpha, seed=100 + i,
+            use_rslora=rs, rank_pattern=rp,
+        )
+    assert len(out) >= 16
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs_of(adapters) -> dict[str, AdapterRef]:
+    return {name: AdapterRef(content_id(p), name, str(p)) for name, p in adapters.items()}
+
+
+@pytest.fixture(scope="module")
+def peft_model(demo_kit, adapters):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    base = AutoModelForCausalLM.from_pretrained(demo_kit.base_dir, dtype=torch.float32)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def workload(demo_kit, adapters):
+    """Requests spread over every adapter plus base rows; some share a system prompt (prefix hits)."""
+    builder = PromptBuilder(demo_kit.base_dir)
+    names = list(adapters)
+    questions = []
+    for a in demo_kit.adapters.values():
+        questions += [json.loads(x)["prompt"] for x in a.eval_path.read_text().splitlines()[:3]]
+    shared = "Follow the instruction exactly. " * 5
+    work = []
+    for i in range(26):
+        adapter = None if i % 6 == 5 else names[i % len(names)]
+        q = questions[i % len(questions)]
+        messages = [{"role": "user", "content": q}]
+        if i % 4 == 0:
+            messages.insert(0, {"role": "system", "content": shared})
+        work.append((adapter, builder.chat_ids(messages)))
+    # The same shared-prefix prompt under one adapter twice and under a second adapter: hits only the first.
+    work.append((names[0], work[0][1]))
+    return work
+
+
+@pytest.fixture(scope="module")
+def peft_refs(peft_model, workload):
+    return [hf_greedy(peft_model, prompt, MAX_NEW, adapter=adapter) for adapter, prompt in workload]
+
+
+def _requests(workload, refs_of, prefix="r"):
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    return [{"id": f"{prefix}{i}", "prompt": p, "params": params, "adapter": refs_of[a] if a else None}
+            for i, (a, p) in enumerate(workload)]
+
+
+def _check(name, engine, workload, refs_of, peft_refs):
+    out = run_all(engine, _requests(workload, refs_of))
+    log = TieLog(name)
+    for i, ref in enumerate(peft_refs):
+        log.check(f"r{i}:{workload[i][0]}", out[f"r{i}"], ref)
+    log.write()
+
+
+def test_sixteen_plus_adapters_in_one_batch_match_peft(demo_kit, workload, refs_of, peft_refs):
+    distinct = {a for a, _ in workload if a}
+    engine = make_engine(demo_kit.base_dir, max_loras=len(distinct), max_cpu_loras=len(distinct))
+    _check("lora-batch", engine, workload, refs_of, peft_refs)
+    assert len(distinct) >= 16
+
+
+def test_more_adapters_than_slots_with_chunking_prefix_hits_and_preemption(demo_kit, workload, refs_of, peft_refs):
+    need = max(len(p) + MAX_NEW for _, p in workload)
+    engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
+                         num_blocks=need // 4 + 30)
+    _check("lora-stress", engine, workload, refs_of, peft_refs)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.adapters.slot_loads > len({a for a, _ in workload if a})  # evicted and reloaded
+    assert engine.metrics.prefix_hit_tokens._value.get() > 0
+
+
+def test_prefix_cache_is_partitioned_by_adapter_content(demo_kit, adapters, refs_of, tmp_path):
+    builder = PromptBuilder(demo_kit.base_dir)
+    prompt = builder.chat_ids([{"role": "system", "content": "Shared context. " * 12}, {"role": "user", "content": "Hello"}])
+    names = list(adapters)
+    engine = make_engine(demo_kit.base_dir, block_size=8)
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    def cached(rid, ref):
+        seq = engine.add_request(rid, prompt, params, adapter=ref)
+        run_all(engine, [])
+        return seq.num_cached_tokens
+
+    assert cached("a1", refs_of[names[0]]) == 0
+    assert cached("a2", refs_of[names[0]]) > 0  # same adapter: hits
+    assert cached("b1", refs_of[names[1]]) == 0  # another adapter: nothing shared
+    assert cached("base", None) == 0
+    # A new version under the same name: different weights => different content id => no hits.
+    v2 = tmp_path / "v2"
+    shutil.copytree(adapters[names[0]], v2)
+    tensors = load_file(v2 / "adapter_model.safetensors")
+    first = next(iter(tensors))
+    tensors[first] = tensors[first] * 1.01
+    save_file(tensors, v2 / "adapter_model.safetensors")
+    new_ref = AdapterRef(content_id(v2), names[0], str(v2))
+    assert new_ref.content_id != refs_of[names[0]].content_id
+    assert cached("v2", new_ref) == 0
+
+
+def _corrupt(kind: str, src: Path, dst: Path, demo_kit) -> Path:
+    shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    if kind == "wrong_shapes":
+        t = load_file(weights)
+        save_file({k: torch.zeros(v.shape[0] + 3, v.shape[1]) if "lora_B" in k else v for k, v in t.items()}, weights)
+    elif kind == "rank_over_max":
+        cfg["r"] = 128
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    elif kind == "missing_file":
+        weights.unlink()
+    elif kind == "nan_weights":
+        t = load_file(weights)
+        k = next(iter(t))
+        t[k][0, 0] = float("nan")
+        save_file(t, weights)
+    elif kind == "pickle":
+        t = load_file(weights)
+        weights.unlink()
+        torch.save(t, dst / "adapter_model.bin")
+    elif kind == "dora":
+        cfg["use_dora"] = True
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("kind,code", [
+    ("wrong_shapes", "shape_mismatch"), ("rank_over_max", "rank_over_max"), ("missing_file", "missing_file"),
+    ("nan_weights", "nan_weights"), ("pickle", "pickle_file"), ("dora", "dora_unsupported"),
+])
+def test_malformed_adapter_is_refused_with_its_code_and_others_keep_decoding(demo_kit, adapters, refs_of, tmp_path, kind, code):
+    bad_dir = _corrupt(kind, adapters["rand1"], tmp_path / kind, demo_kit)
+    cid = "0" * 63 + "1" if kind in ("missing_file", "pickle") else content_id(bad_dir)
+    engine = make_engine(demo_kit.base_dir)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    good = engine.add_request("good", [5, 6, 7, 8], params, adapter=refs_of["rand0"])
+    engine.add_request("bad", [5, 6, 7, 8], params, adapter=AdapterRef(cid, "bad", str(bad_dir)))
+    errors = []
+    while engine.has_unfinished():
+        errors += [o.error for o in engine.step() if o.error is not None]
+        engine.check_integrity()
+        if engine.last_plan_empty:
+            engine.wake.wait(0.05)
+            engine.wake.clear()
+    assert [e.code for e in errors] == [code] and errors[0].param == "model"
+    assert good.finish_reason == "length" and good.num_output_tokens == 6
+    with pytest.raises(InvalidRequest) as again:  # a known-bad adapter is refused at once next time
+        engine.add_request("bad2", [5, 6], params, adapter=AdapterRef(cid, "bad", str(bad_dir)))
+    assert again.value.code == code
+
+
+class _GatedFS(fsspec.implementations.local.LocalFileSystem):
+    """A storage backend whose reads wait for a gate, to hold an adapter load open."""
+
+    gate = threading.Event()
+    protocol = "gated"
+
+    def get(self, rpath, lpath, **kw):
+        assert self.gate.wait(30)
+        return super().get(rpath.removeprefix("gated://"), lpath, **kw)
+
+
+def test_loading_happens_off_the_step_loop(demo_kit, adapters, tmp_path):
+    fsspec.register_implementation("gated", _GatedFS, clobber=True)
+    _GatedFS.gate.clear()
+    path = adapters["rand2"]
+    ref = AdapterRef(content_id(path), "rand2", f"gated://{path}")
+    engine = make_engine(demo_kit.base_dir)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    slow = engine.add_request("slow", [5, 6, 7], params, adapter=ref)
+    base = engine.add_request("base", [5, 6, 7], params)
+    while not base.is_finished:  # the base request streams to completion while the load is blocked
+        engine.step()
+    assert slow.num_output_tokens == 0 and engine.adapters.is_loading(ref.content_id)
+    _GatedFS.gate.set()
+    run_all(engine, [])
+    assert slow.num_output_tokens == 8

@@ -1,0 +1,132 @@
+"""Scheduler policy on the CPU without a model: budgets, decode-first, chunking, priority, preemption."""
+from services.engine.config import SchedulerConfig
+from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.manager import KVCacheManager
+from services.engine.scheduler import Scheduler, StepPlan
+from services.engine.sequence import Priority, SamplingParams, Sequence, Status
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=16, chunked=True, max_len=256) -> Scheduler:
+    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked)
+    return Scheduler(cfg, kv, max_len)
+
+
+def make_seq(rid: str, prompt_len: int, max_tokens=8, priority=Priority.INTERACTIVE, first_token=1) -> Sequence:
+    prompt = [first_token + i for i in range(prompt_len)]
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), seed=0, priority=priority)
+
+
+def advance(sched: Scheduler, plan: StepPlan, token=7) -> None:
+    """What the engine does after a forward: count computed tokens, append sampled ones, finish."""
+    for s in plan.scheduled:
+        s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        sched.kv.commit(s.seq)
+        if s.samples:
+            s.seq.token_ids.append(token)
+            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                sched.finish(s.seq, "length")
+
+
+def test_decodes_are_scheduled_before_a_long_prefill_and_the_prefill_is_chunked():
+    sched = make_scheduler(budget=16)
+    short = make_seq("short", 3)
+    sched.add(short)
+    advance(sched, sched.schedule())  # short is now decoding
+    long = make_seq("long", 40)
+    sched.add(long)
+    plan = sched.schedule()
+    by_id = {s.seq.request_id: s for s in plan.scheduled}
+    assert by_id["short"].num_new_tokens == 1
+    assert by_id["long"].num_new_tokens == 15 and not by_id["long"].samples
+    assert plan.num_batched_tokens == 16
+    advance(sched, plan)
+    plan = sched.schedule()
+    by_id = {s.seq.request_id: s for s in plan.scheduled}
+    assert by_id["short"].num_new_tokens == 1 and by_id["long"].start == 15
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = make_scheduler(budget=16, chunked=False)
+    sched.add(make_seq("a", 10))
+    sched.add(make_seq("b", 10))
+    plan = sched.schedule()
+    assert [s.seq.request_id for s in plan.scheduled] == ["a"]
+
+
+def test_interactive_is_admitted_before_batch_regardless_of_arrival():
+    sched = make_scheduler(budget=8)
+    sched.add(make_seq("batch", 6, priority=Priority.BATCH))
+    sched.add(make_seq("inter", 6, priority=Priority.INTERACTIVE))
+    plan = sched.schedule()
+    assert plan.scheduled[0].seq.request_id == "inter"
+    assert plan.scheduled[0].num_new_tokens == 6
+
+
+def test_preemption_picks_the_lowest_priority_latest_sequence_and_requeues_it_first():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a = make_seq("a", 8, max_tokens=20)
+    b = make_seq("b", 8, max_tokens=20, priority=Priority.BATCH)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert {s.seq.request_id for s in plan.scheduled} == {"a", "b"}
+    preempted = []
+    for _ in range(12):
+        advance(sched, plan)
+        plan = sched.schedule()
+        preempted += [s.request_id for s in plan.preempted]
+        sched.kv.check_integrity()
+        if preempted:
+            break
+    assert preempted == ["b"]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert sched.waiting[Priority.BATCH][0] is b
+    assert a.status is Status.RUNNING
+
+
+def test_waiting_interactive_preempts_running_batch_when_kv_is_short():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    batch = make_seq("batch", 12, priority=Priority.BATCH)
+    sched.add(batch)
+    advance(sched, sched.schedule())
+    sched.add(make_seq("inter", 8))
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.preempted] == ["batch"]
+    assert [s.seq.request_id for s in plan.scheduled] == ["inter"]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched = make_scheduler(max_seqs=2, budget=64)
+    for i in range(4):
+        sched.add(make_seq(f"s{i}", 2))
+    plan = sched.schedule()
+    assert len(plan.scheduled) == 2 and sched.num_waiting == 2
+
+
+def test_finish_frees_blocks_immediately_for_waiting_and_running():
+    sched = make_scheduler()
+    a, b = make_seq("a", 9), make_seq("b", 9)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.add(c := make_seq("c", 5))
+    sched.finish(a, "abort")
+    sched.finish(c, "abort")
+    assert sched.kv.block_table("a") == []
+    assert sched.num_waiting == 0 and sched.num_running == 1
+    sched.finish(b, "abort")
+    assert sched.kv.pool.num_used == 0
+    sched.kv.check_integrity()
+
+
+def test_prefix_hit_counts_cached_tokens_once_on_first_admission():
+    sched = make_scheduler(budget=64)
+    first = make_seq("first", 13, max_tokens=1)
+    sched.add(first)
+    advance(sched, sched.schedule())
+    second = make_seq("second", 13, max_tokens=1)
+    sched.add(second)
+    plan = sched.schedule()
+    assert second.num_cached_tokens == 12
+    assert plan.scheduled[0].start == 12 and plan.scheduled[0].num_new_tokens == 1

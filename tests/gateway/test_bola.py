@@ -1,0 +1,246 @@
+"""The BOLA matrix: every management endpoint × every role, on the real gateway.
+
+- Anonymous callers get 401; a role not allowed gets 403 and changes nothing.
+- Tenant-scoped endpoints called by tenant A with tenant B's ids answer 404, byte-for-byte like an id that
+  does not exist, leak none of B's identifiers, and leave B untouched.
+- Tenant-scoped listings show nothing of B.
+- Every /api/tenant/... and /api/admin/... route in the app must have a row here (a new endpoint fails
+  `test_every_management_route_is_in_the_matrix` until it is added).
+
+To add an endpoint: one `Endpoint(...)` row in ENDPOINTS.
+"""
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy.orm import Session
+
+from services.common.models import Adapter, AdapterVersion, ApiKey, Tenant, TenantLimits
+from tests.gateway.mgmt_harness import (  # noqa: F401 (fixtures)
+    audit_count,
+    browser,
+    gateway,
+    v1_models,
+    world,
+)
+
+ROLES = ("tenant_member", "tenant_admin", "platform_admin", "finance")
+TENANT = ("tenant_member", "tenant_admin")
+TENANT_ADMIN = ("tenant_admin",)
+PLATFORM = ("platform_admin",)
+FINANCE = ("finance", "platform_admin")
+MANAGEMENT_PREFIXES = ("/api/tenant", "/api/admin")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str  # the route template; its one path parameter is written {id}
+    roles: tuple[str, ...]  # allowed; other roles get 403, anonymous 401
+    target: str | None = None  # what {id} names: key | version | adapter | tenant
+    tenant_scoped: bool = True  # ids are the caller's tenant's only (another tenant's = 404)
+    body: dict | None = None  # a valid body: if a check failed open, the call would act
+    required: bool = True  # False: another engineer's route, checked once it exists
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+ENDPOINTS = [
+    # tenant pages (api/tenant.py)
+    Endpoint("GET", "/api/tenant", TENANT),
+    Endpoint("GET", "/api/tenant/keys", TENANT),
+    Endpoint("POST", "/api/tenant/keys", TENANT_ADMIN, body={"name": "bola"}),
+    Endpoint("DELETE", "/api/tenant/keys/{id}", TENANT_ADMIN, target="key"),
+    Endpoint("GET", "/api/tenant/adapters", TENANT),
+    Endpoint("GET", "/api/tenant/adapter-versions/{id}", TENANT, target="version"),
+    # tenant usage (billing, api/tenant_usage.py) and uploads (adapters)
+    Endpoint("GET", "/api/tenant/usage", TENANT, required=False),
+    Endpoint("GET", "/api/tenant/spend", TENANT, required=False),
+    Endpoint("POST", "/api/tenant/adapters", TENANT_ADMIN, required=False),
+    # platform admin (api/admin.py): any tenant's ids, platform_admin only
+    Endpoint("GET", "/api/admin/tenants", PLATFORM, tenant_scoped=False),
+    Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
+    Endpoint("PATCH", "/api/admin/tenants/{id}", PLATFORM, "tenant", False, {"status": "suspended"}),
+    Endpoint("POST", "/api/admin/tenants/{id}/users", PLATFORM, "tenant", False,
+             {"email": "bola@example.test", "password": "bola password 1", "role": "tenant_admin"}),
+    Endpoint("GET", "/api/admin/adapter-versions/{id}", PLATFORM, "version", False),
+    Endpoint("POST", "/api/admin/adapter-versions/{id}/override", PLATFORM, "version", False,
+             {"decision": "rejected", "reason": "bola"}),
+    Endpoint("POST", "/api/admin/adapters/{id}/rollback", PLATFORM, "adapter", False, {"version": 1}),
+    Endpoint("DELETE", "/api/admin/adapters/{id}", PLATFORM, "adapter", False),
+    Endpoint("GET", "/api/admin/engines", PLATFORM, tenant_scoped=False),
+    Endpoint("POST", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False, required=False),
+    # finance (another engineer's): role checks only
+    Endpoint("GET", "/api/finance/report", FINANCE, tenant_scoped=False, required=False),
+    Endpoint("GET", "/api/finance/report.csv", FINANCE, tenant_scoped=False, required=False),
+]
+
+
+def _template(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "{id}", path)
+
+
+def app_routes(app) -> set[tuple[str, str]]:
+    """(method, path template) of every route the app serves: the router tree (routers included into
+    the app, however deep) and, as a cross-check, the OpenAPI schema."""
+    found: set[tuple[str, str]] = set()
+
+    def add(path, methods) -> None:
+        for m in methods or ():
+            if path and m not in ("HEAD", "OPTIONS"):
+                found.add((m, _template(path)))
+
+    for route in app.routes:
+        contexts = getattr(route, "effective_route_contexts", None)  # FastAPI's included routers
+        if contexts is not None:
+            for c in contexts():
+                add(c.path, c.methods)
+        else:
+            add(getattr(route, "path", None), getattr(route, "methods", None))
+    for path, ops in app.openapi().get("paths", {}).items():
+        add(path, [m.upper() for m in ops])
+    return found
+
+
+def _present(gateway, ep: Endpoint) -> bool:
+    return (ep.method, ep.path) in app_routes(gateway.app)
+
+
+def _skip_if_absent(gateway, ep: Endpoint) -> None:
+    if not _present(gateway, ep):
+        assert not ep.required, f"{ep} is in the matrix but the app does not serve it"
+        pytest.skip(f"{ep} is not implemented yet")
+
+
+def _ids(tw) -> dict[str, str]:
+    return {"key": str(tw.key.row.id), "version": str(tw.v1.id), "adapter": str(tw.adapter.id), "tenant": str(tw.tenant.id)}
+
+
+def _call(api, ep: Endpoint, id_: str | None = None):
+    path = ep.path.replace("{id}", id_) if id_ is not None else ep.path
+    return api.request(ep.method, path, json=ep.body) if ep.body is not None else api.request(ep.method, path)
+
+
+def _state(db_engine, tw) -> dict:
+    """Everything a management call could change about one tenant."""
+    with Session(db_engine) as s:
+        t = s.get(Tenant, tw.tenant.id)
+        lim = s.get(TenantLimits, tw.tenant.id)
+        a = s.get(Adapter, tw.adapter.id)
+        return {
+            "tenant": (t.name, t.plan, str(t.status)),
+            "limits": (lim.tokens_per_min, lim.requests_per_min, lim.concurrent_requests, lim.monthly_token_budget),
+            "keys": sorted((str(k.id), k.revoked_at) for k in s.query(ApiKey).filter(ApiKey.tenant_id == t.id)),
+            "adapter": (a.active_version_id, a.deleted_at),
+            "versions": sorted((str(v.id), str(v.status), v.override_reason)
+                               for v in s.query(AdapterVersion).filter(AdapterVersion.adapter_id == a.id)),
+        }
+
+
+@pytest.fixture
+def untouched(db_engine, world, gateway):
+    """Asserts after the test that no audit row was written and neither tenant changed, and that B's key
+    still works on the OpenAI API."""
+    before = (audit_count(db_engine, world), _state(db_engine, world.a), _state(db_engine, world.b))
+    yield
+    assert (audit_count(db_engine, world), _state(db_engine, world.a), _state(db_engine, world.b)) == before
+    assert v1_models(gateway, world.b.key.secret).status_code == 200
+
+
+def test_every_management_route_is_in_the_matrix(gateway):
+    served = {r for r in app_routes(gateway.app) if r[1].startswith(MANAGEMENT_PREFIXES)}
+    covered = {(e.method, e.path) for e in ENDPOINTS}
+    missing = sorted(served - covered)
+    assert not missing, f"management routes with no row in the BOLA matrix: {missing}"
+    stale = [str(e) for e in ENDPOINTS if e.required and (e.method, e.path) not in served]
+    assert not stale, f"matrix rows for routes the app does not serve: {stale}"
+
+
+def test_route_enumeration_sees_included_routers(gateway):
+    """The guard above is only as good as the enumeration: it must see routes from every included router."""
+    routes = app_routes(gateway.app)
+    assert {("POST", "/api/auth/login"), ("DELETE", "/api/tenant/keys/{id}"), ("POST", "/v1/chat/completions"),
+            ("POST", "/api/admin/adapter-versions/{id}/override")} <= routes
+
+
+@pytest.mark.parametrize("ep", ENDPOINTS, ids=str)
+def test_anonymous_is_401(gateway, browser, world, ep, untouched):
+    _skip_if_absent(gateway, ep)
+    r = _call(browser(), ep, _ids(world.b).get(ep.target))
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "not_signed_in"
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("ep", ENDPOINTS, ids=str)
+def test_roles(gateway, browser, world, ep, role, untouched):
+    """A role not allowed is refused before anything happens, whoever's ids it names."""
+    _skip_if_absent(gateway, ep)
+    allowed = role in ep.roles
+    if allowed and ep.method != "GET":
+        pytest.skip("allowed writes act for real: tests/gateway/test_{tenant,admin}_api.py cover them")
+    ids = _ids(world.a if ep.tenant_scoped else world.b)
+    r = _call(browser(world.email(role)), ep, ids.get(ep.target))
+    if allowed:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "role_required"
+    for marker in world.b.markers():
+        assert marker not in r.text
+
+
+TENANT_ID_ENDPOINTS = [e for e in ENDPOINTS if e.tenant_scoped and e.target is not None]
+
+
+@pytest.mark.parametrize("role", TENANT)
+@pytest.mark.parametrize("ep", TENANT_ID_ENDPOINTS, ids=str)
+def test_other_tenants_ids_are_404_like_missing_ones(gateway, browser, world, ep, role, untouched):
+    _skip_if_absent(gateway, ep)
+    if role not in ep.roles:
+        pytest.skip("role refused before any lookup (test_roles)")
+    api = browser(world.email(role))
+    theirs_id = _ids(world.b)[ep.target]
+    missing_id = str(uuid.uuid4())
+    theirs, missing = _call(api, ep, theirs_id), _call(api, ep, missing_id)
+    assert theirs.status_code == missing.status_code == 404, (theirs.text, missing.text)
+    assert theirs.content == missing.content  # nothing tells "exists elsewhere" from "does not exist"
+    assert {k.lower() for k in theirs.headers} == {k.lower() for k in missing.headers}
+    for marker in world.b.markers():
+        assert marker not in theirs.text
+    # An id of the caller's own, of the wrong kind, is no way round either.
+    for kind, own in _ids(world.a).items():
+        if kind != ep.target:
+            r = _call(api, ep, own)
+            assert r.status_code == 404 and r.content == missing.content, (kind, r.text)
+
+
+TENANT_LISTINGS = [e for e in ENDPOINTS if e.tenant_scoped and e.target is None and e.method == "GET"]
+
+
+@pytest.mark.parametrize("role", TENANT)
+@pytest.mark.parametrize("ep", TENANT_LISTINGS, ids=str)
+def test_tenant_listings_show_nothing_of_other_tenants(gateway, browser, world, ep, role, untouched):
+    _skip_if_absent(gateway, ep)
+    r = _call(browser(world.email(role)), ep)
+    assert r.status_code == 200, r.text
+    for marker in world.b.markers():
+        assert marker not in r.text, f"{ep} shows tenant B's {marker!r} to tenant A"
+    for query in ({"tenant_id": str(world.b.tenant.id)}, {"tenant": world.b.tenant.slug}):
+        widened = browser(world.email(role)).request("GET", ep.path, params=query)
+        assert widened.status_code in (200, 400)
+        for marker in world.b.markers():
+            assert marker not in widened.text, f"{ep}?{query} shows tenant B's {marker!r}"
+
+
+def test_tenant_listings_do_show_the_callers_own_objects(browser, world):
+    """The negative checks above mean something only if the same calls show A's own objects."""
+    api = browser(world.a.admin.email)
+    assert str(world.a.key.row.id) in api.get("/api/tenant/keys").text
+    adapters = api.get("/api/tenant/adapters").text
+    assert world.a.adapter.name in adapters and str(world.a.v2.id) in adapters
+    assert api.get(f"/api/tenant/adapter-versions/{world.a.v1.id}").status_code == 200

@@ -1,0 +1,114 @@
+"""Starts real platform processes for end-to-end tests: engines, the gateway, Celery workers.
+
+Each process runs `python -m services.cli ...` in its own session with the test services' MPLEX_*
+environment, logs to a file, and is awaited on its readiness endpoint.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str | None
+    log: Path
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+@dataclass
+class Stack:
+    env: dict[str, str]
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, ready: str | None = None,
+               timeout: float = 180) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        full_env = {**os.environ, **self.env, "OMP_NUM_THREADS": "1", **(env or {})}
+        popen = subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=full_env,
+                                 stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        proc = Proc(name, popen, ready.rsplit("/", 1)[0] if ready else None, log)
+        self.procs.append(proc)
+        if ready:
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                if popen.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({popen.returncode}):\n{proc.tail()}")
+                try:
+                    if httpx.get(ready, timeout=2).status_code == 200:
+                        return proc
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            raise RuntimeError(f"{name} not ready in {timeout}s:\n{proc.tail()}")
+        return proc
+
+    def engine(self, model_dir: Path, model_name: str, engine_id: str, *, kv_mb: int = 64, max_loras: int = 8,
+               extra: list[str] | None = None) -> Proc:
+        port = free_port()
+        proc = self._spawn(
+            engine_id,
+            ["engine", "serve", "--model", str(model_dir), "--served-model-name", model_name, "--port", str(port),
+             "--engine-id", engine_id, "--kv-memory-mb", str(kv_mb), "--max-loras", str(max_loras), *(extra or [])],
+            ready=f"http://127.0.0.1:{port}/ready",
+        )
+        self.wait_registered(engine_id)
+        return proc
+
+    def gateway(self, model_dir: Path, model_name: str, *, env: dict[str, str] | None = None, name: str = "gateway") -> Proc:
+        port = free_port()
+        return self._spawn(
+            name, ["gateway", "serve", "--port", str(port)],
+            env={"MPLEX_BASE_MODEL_DIR": str(model_dir), "MPLEX_BASE_MODEL_NAME": model_name, **(env or {})},
+            ready=f"http://127.0.0.1:{port}/ready",
+        )
+
+    def worker(self, queues: str, *, name: str = "worker", env: dict[str, str] | None = None) -> Proc:
+        port = free_port()
+        return self._spawn(name, ["worker", "--queues", queues, "--metrics-port", str(port)], env=env,
+                           ready=f"http://127.0.0.1:{port}/ready")
+
+    def wait_registered(self, engine_id: str, timeout: float = 30) -> None:
+        r = redis.Redis.from_url(self.env["MPLEX_REDIS_URL"])
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if r.get(f"mplex:engine:{engine_id}"):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"engine {engine_id} never registered")
+
+    def stop(self, proc: Proc, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        if proc.popen.poll() is None:
+            os.killpg(proc.popen.pid, sig)
+            try:
+                proc.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+        self.procs.clear()

@@ -1,0 +1,237 @@
+/** One adapter version: lifecycle steps, progress, rejection reasons, gate metrics, and (admins) override. */
+import { useState } from "preact/hooks";
+import type { AdapterVersion, VersionStatus } from "../api/types";
+import { useApp } from "../context";
+import { formatDateTime, formatMetric, shortHash } from "../lib/format";
+import { gateRows } from "../lib/gate";
+import { useAction } from "../lib/useAction";
+import { Badge, isInFlight } from "./Badge";
+import { FormError, TableScroll } from "./Status";
+
+const ORDER: VersionStatus[] = ["uploaded", "validating", "evaluating"];
+
+function stepState(step: string, status: VersionStatus): "done" | "current" | "todo" {
+  if (step === "final") return isInFlight(status) ? "todo" : "done";
+  const at = ORDER.indexOf(status);
+  const i = ORDER.indexOf(step as VersionStatus);
+  if (at === -1) return "done"; // terminal: every earlier step is behind us
+  return i < at ? "done" : i === at ? "current" : "todo";
+}
+
+export function VersionSteps({ status }: { status: VersionStatus }) {
+  const finalLabel = status === "rejected" ? "rejected" : "ready";
+  const steps = [...ORDER.map((s) => ({ key: s, label: s })), { key: "final", label: finalLabel }];
+  return (
+    <ol class="steps" data-testid="version-steps" aria-label="Lifecycle">
+      {steps.map((s) => {
+        const st = stepState(s.key, status);
+        return (
+          <li
+            key={s.key}
+            class={`step step-${st} ${s.key === "final" && status === "rejected" ? "step-bad" : ""}`}
+            aria-current={st === "current" || (s.key === "final" && st === "done") ? "step" : undefined}
+          >
+            <span class="step-dot" aria-hidden="true" />
+            {s.label}
+            <span class="sr-only">{st === "done" ? " (done)" : st === "current" ? " (current)" : ""}</span>
+          </li>
+        );
+      })}
+    </ol>
+  );
+}
+
+export function VersionDetails(props: { version: AdapterVersion; canOverride: boolean; onChanged?: (v: AdapterVersion) => void }) {
+  const v = props.version;
+  const inFlight = isInFlight(v.status);
+  const percent = Math.max(0, Math.min(100, Math.round(v.progress?.percent ?? 0)));
+  return (
+    <div class="version" data-testid="version-details">
+      <div class="version-head">
+        <h2 class="h3">
+          {v.adapter_name} <span class="muted">v{v.version}</span>
+        </h2>
+        <Badge text={v.status} testid="version-status" />
+      </div>
+      <VersionSteps status={v.status} />
+      {inFlight && (
+        <div class="version-progress">
+          <label for={`vp-${v.id}`}>Progress</label>
+          <progress id={`vp-${v.id}`} max={100} value={percent} data-testid="version-progress" />
+          <span data-testid="version-step">
+            {percent}%{v.progress?.step ? ` · ${v.progress.step}` : ""}
+          </span>
+        </div>
+      )}
+      <p class="sr-only" aria-live="polite" data-testid="version-live">
+        {inFlight ? `Status: ${v.status}, ${percent}%${v.progress?.step ? `, ${v.progress.step}` : ""}` : `Status: ${v.status}`}
+      </p>
+
+      {v.reasons.length > 0 && (
+        <div class={v.status === "rejected" ? "reasons reasons-bad" : "reasons"} data-testid="rejection-reasons">
+          <h3 class="h4">{v.status === "rejected" ? "Why it was rejected" : "Notes"}</h3>
+          <ul>
+            {v.reasons.map((r, i) => (
+              <li key={`${r.code}-${i}`}>
+                <code>{r.code}</code> {r.message}
+              </li>
+            ))}
+          </ul>
+        </div>
+      )}
+
+      {v.eval ? <GateResults version={v} /> : !inFlight && v.status === "ready" ? <p class="muted">No quality-gate run recorded for this version.</p> : null}
+
+      <dl class="meta">
+        <div>
+          <dt>Rank</dt>
+          <dd>{v.rank ?? "—"}</dd>
+        </div>
+        <div>
+          <dt>Target modules</dt>
+          <dd>{v.target_modules?.length ? v.target_modules.join(", ") : "—"}</dd>
+        </div>
+        <div>
+          <dt>Content SHA-256</dt>
+          <dd class="mono" title={v.content_sha256 ?? undefined}>
+            {shortHash(v.content_sha256, 16)}
+          </dd>
+        </div>
+        <div>
+          <dt>Uploaded</dt>
+          <dd>{formatDateTime(v.created_at)}</dd>
+        </div>
+        <div>
+          <dt>Ready</dt>
+          <dd>{formatDateTime(v.ready_at)}</dd>
+        </div>
+      </dl>
+
+      {v.override && (
+        <p class="notice" data-testid="version-override">
+          Overridden by {v.override.by} on {formatDateTime(v.override.at)}: “{v.override.reason}”
+        </p>
+      )}
+      {/* keyed by status: after an override the form starts again from the new state's opposite decision */}
+      {props.canOverride && !inFlight && <OverrideForm key={`${v.id}-${v.status}`} version={v} onChanged={props.onChanged} />}
+    </div>
+  );
+}
+
+function GateResults({ version }: { version: AdapterVersion }) {
+  const gate = version.eval!;
+  const rows = gateRows(gate);
+  return (
+    <div class="gate" data-testid="gate-metrics">
+      <h3 class="h4">
+        Quality gate: <Badge text={gate.passed ? "passed" : "failed"} testid="gate-passed" />
+      </h3>
+      <TableScroll label="Quality gate metrics">
+        <thead>
+          <tr>
+            <th scope="col">Metric</th>
+            <th scope="col" class="num">Value</th>
+            <th scope="col" class="num">Threshold</th>
+            <th scope="col">Verdict</th>
+          </tr>
+        </thead>
+        <tbody>
+          {rows.map((r) => (
+            <tr key={r.name} data-testid={`gate-metric-${r.name}`}>
+              <th scope="row">{r.name.replace(/_/g, " ")}</th>
+              <td class="num">{formatMetric(r.value)}</td>
+              <td class="num">
+                {r.threshold === undefined ? "—" : `${r.kind === "min" ? "≥ " : r.kind === "max" ? "≤ " : ""}${formatMetric(r.threshold)}`}
+              </td>
+              <td>{r.pass === null ? "—" : <Badge text={r.pass ? "passed" : "failed"} />}</td>
+            </tr>
+          ))}
+        </tbody>
+      </TableScroll>
+      {gate.examples.length > 0 && (
+        <details class="examples">
+          <summary>
+            {gate.examples.length} example{gate.examples.length === 1 ? "" : "s"} from the eval set
+          </summary>
+          <ol data-testid="gate-examples">
+            {gate.examples.slice(0, 20).map((ex, i) => (
+              <li key={i}>
+                <Example value={ex} />
+              </li>
+            ))}
+          </ol>
+        </details>
+      )}
+    </div>
+  );
+}
+
+function Example({ value }: { value: unknown }) {
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    return (
+      <dl class="example">
+        {Object.entries(value as Record<string, unknown>).map(([k, v]) => (
+          <div key={k}>
+            <dt>{k.replace(/_/g, " ")}</dt>
+            <dd>{typeof v === "string" ? <pre>{v}</pre> : formatMetric(v)}</dd>
+          </div>
+        ))}
+      </dl>
+    );
+  }
+  return <pre>{typeof value === "string" ? value : JSON.stringify(value, null, 2)}</pre>;
+}
+
+function OverrideForm({ version, onChanged }: { version: AdapterVersion; onChanged?: (v: AdapterVersion) => void }) {
+  const { client } = useApp();
+  const [decision, setDecision] = useState<"ready" | "rejected">(version.status === "ready" ? "rejected" : "ready");
+  const [reason, setReason] = useState("");
+  const action = useAction();
+  const submit = (ev: Event) => {
+    ev.preventDefault();
+    void action.run(async () => {
+      const updated = await client.post<AdapterVersion>(`/api/admin/adapter-versions/${encodeURIComponent(version.id)}/override`, {
+        decision,
+        reason: reason.trim(),
+      });
+      onChanged?.(updated);
+    });
+  };
+  return (
+    <form class="card override" onSubmit={submit} aria-labelledby={`ov-title-${version.id}`} data-testid="override-form">
+      <h3 class="h4" id={`ov-title-${version.id}`}>
+        Override the gate
+      </h3>
+      <p class="muted">Recorded in the audit log with your name and reason.</p>
+      <div class="row">
+        <div class="field">
+          <label for={`ov-decision-${version.id}`}>Decision</label>
+          <select
+            id={`ov-decision-${version.id}`}
+            value={decision}
+            onChange={(e) => setDecision((e.target as HTMLSelectElement).value as "ready" | "rejected")}
+            data-testid="override-decision"
+          >
+            <option value="ready">ready (route traffic to it)</option>
+            <option value="rejected">rejected (stop routing)</option>
+          </select>
+        </div>
+        <div class="field grow">
+          <label for={`ov-reason-${version.id}`}>Reason</label>
+          <input
+            id={`ov-reason-${version.id}`}
+            required
+            minLength={3}
+            value={reason}
+            onInput={(e) => setReason((e.target as HTMLInputElement).value)}
+            data-testid="override-reason"
+          />
+        </div>
+        <button type="submit" class="btn btn-primary" disabled={action.busy} data-testid="override-submit">
+          {action.busy ? "Saving…" : "Override"}
+        </button>
+      </div>
+      <FormError error={action.error} testid="override-error" />
+    </form>
+  );
+}

@@ -1,0 +1,50 @@
+/** Tenant limits as form text: blank means unlimited (null on the wire), otherwise a whole number >= 0. */
+import type { Limits } from "../api/types";
+
+export const LIMIT_FIELDS: { key: keyof Limits; label: string; testid: string }[] = [
+  { key: "tokens_per_min", label: "Tokens per minute", testid: "limit-tokens-per-min" },
+  { key: "requests_per_min", label: "Requests per minute", testid: "limit-requests-per-min" },
+  { key: "concurrent_requests", label: "Concurrent requests", testid: "limit-concurrent" },
+  { key: "monthly_token_budget", label: "Monthly token budget", testid: "limit-monthly-tokens" },
+];
+
+export type LimitsText = Record<keyof Limits, string>;
+
+export function limitsToText(l: Limits | null | undefined): LimitsText {
+  const t = (v: number | null | undefined) => (v === null || v === undefined ? "" : String(v));
+  return {
+    tokens_per_min: t(l?.tokens_per_min),
+    requests_per_min: t(l?.requests_per_min),
+    concurrent_requests: t(l?.concurrent_requests),
+    monthly_token_budget: t(l?.monthly_token_budget),
+  };
+}
+
+export type ParsedLimits = { ok: true; limits: Limits } | { ok: false; problem: string };
+
+export function parseLimits(text: LimitsText): ParsedLimits {
+  const out: Partial<Limits> = {};
+  for (const f of LIMIT_FIELDS) {
+    const raw = text[f.key].trim().replace(/[,_\s]/g, "");
+    if (raw === "") {
+      out[f.key] = null;
+      continue;
+    }
+    if (!/^\d+$/.test(raw) || !Number.isSafeInteger(Number(raw))) {
+      return { ok: false, problem: `${f.label} must be a whole number, or blank for unlimited.` };
+    }
+    out[f.key] = Number(raw);
+  }
+  return { ok: true, limits: out as Limits };
+}
+
+/** "Acme Corp." -> "acme-corp": a URL-safe default the admin can still edit. */
+export function slugify(name: string): string {
+  return name
+    .normalize("NFKD")
+    .replace(/[\u0300-\u036f]/g, "")
+    .toLowerCase()
+    .replace(/[^a-z0-9]+/g, "-")
+    .replace(/^-+|-+$/g, "")
+    .slice(0, 63);
+}
