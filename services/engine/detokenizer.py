@@ -83,6 +83,10 @@ class DecodeStream:
         if self.skip_special and token_id in self.info.special_ids:
             return ""
         if self.info.token_bytes is not None:
+            if not 0 <= token_id < len(self.info.token_bytes):
+                # The model's vocabulary may be padded past the tokenizer's; like HF's decode, such
+                # ids carry no text (they must not crash the step loop).
+                return ""
             return self._utf8.decode(self.info.token_bytes[token_id])
         self._ids.append(token_id)
         prefix_text = self.info.decode(self._ids[self._prefix : self._read], self.skip_special)

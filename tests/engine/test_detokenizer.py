@@ -72,3 +72,12 @@ def _valid_utf8(b: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_ids_past_the_tokenizer_vocab_decode_to_nothing(info):
+    # Checkpoints often pad the embedding matrix past the tokenizer's vocabulary; a random or
+    # badly trained model can sample those ids, which must not crash the step loop.
+    ids = info.encode("héllo wörld")
+    ds = DecodeStream(info)
+    text = "".join(ds.push(i) for i in [ids[0], info.vocab_size, info.vocab_size + 7, *ids[1:]]) + ds.flush()
+    assert text == info.decode(ids)
