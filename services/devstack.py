@@ -104,6 +104,7 @@ def run_up(home: Path) -> None:
     from services.common.migrate import upgrade
     from services.common.settings import Settings
     from services.gateway.seed import seed_demo
+    from services.billing.pricebook import seed_demo_prices
     from services.modelkit import ensure_demo
 
     kit = ensure_demo(home)
@@ -118,7 +119,9 @@ def run_up(home: Path) -> None:
             engine = make_engine(urls.database_url, pool_size=1, max_overflow=0)
             with session_scope(make_sessionmaker(engine)) as s:
                 seed = seed_demo(s, existing_key=previous.get("api_key"))
+                seed_demo_prices(s, base_model=kit.model_name, plans=("default",))
             engine.dispose()
+            os.environ.update(urls.as_env())  # in-process helpers below (adapter seeding) see the same servers
             env = {**urls.as_env(), "MPLEX_HOME": str(home), "MPLEX_BASE_MODEL_DIR": str(kit.base_dir),
                    "MPLEX_BASE_MODEL_NAME": kit.model_name, "OMP_NUM_THREADS": "1"}
             engines = []
@@ -141,6 +144,7 @@ def run_up(home: Path) -> None:
             sup.start(Proc("gateway", mplex_argv("gateway", "serve", "--port", str(gw_port)),
                            ready_url=f"http://127.0.0.1:{gw_port}/ready", env=env))
             url = f"http://127.0.0.1:{gw_port}"
+            adapters = _seed_adapters(seed.tenant_slug, kit, home)
             info = {
                 "gateway_url": url,
                 "base_url": f"{url}/v1",
@@ -149,6 +153,7 @@ def run_up(home: Path) -> None:
                 "api_key": seed.api_key,
                 **seed.as_dict(),
                 "admin": next(({"email": u.email, "password": u.password} for u in seed.users if str(u.role) == "platform_admin"), None),
+                "adapters": adapters,
                 "engines": engines,
                 "worker_metrics": f"http://127.0.0.1:{worker_port}/metrics",
                 "database_url": urls.database_url,
@@ -161,6 +166,21 @@ def run_up(home: Path) -> None:
             print("\nstopping…", flush=True)
         finally:
             sup.stop()
+
+
+def _seed_adapters(tenant: str, kit, home: Path) -> dict[str, str]:
+    """Upload the demo adapters through the real pipeline (validation + quality gate on the worker).
+    Returns name -> version status at the time of the banner; the web app shows them progress to ready."""
+    from services.adapters.seed import seed_demo_adapters
+    from services.common.settings import Settings
+
+    print(">> seeding the demo adapters through the upload pipeline (the worker validates and gates them)", flush=True)
+    try:
+        seeded = seed_demo_adapters(tenant=tenant, kit=kit, settings=Settings(home=home))
+    except Exception as exc:  # the platform is still usable without them; say why
+        print(f"!! seeding demo adapters failed: {exc}", flush=True)
+        return {}
+    return {a.name: str(a.status) for a in seeded}
 
 
 def _read_json(path: Path) -> dict:

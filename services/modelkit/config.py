@@ -114,20 +114,23 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 DEMO_ADAPTERS = (
     AdapterSpec(
         name="reverse", task="reverse", rank=16, lora_alpha=32, target_modules=_ATTN + _MLP,
-        train=TrainConfig(steps=160, batch_size=48, lr=4e-3, warmup_steps=10),
+        train=TrainConfig(steps=800, batch_size=48, lr=5e-3, warmup_steps=20),
     ),
     AdapterSpec(
-        name="uppercase", task="uppercase", rank=8, lora_alpha=16, target_modules=("q_proj", "v_proj"),
-        train=TrainConfig(steps=160, batch_size=48, lr=4e-3, warmup_steps=10),
+        # No gate_proj: a target set that differs from every other adapter's.
+        name="uppercase", task="uppercase", rank=8, lora_alpha=16, target_modules=_ATTN + ("up_proj", "down_proj"),
+        train=TrainConfig(steps=1000, batch_size=48, lr=5e-3, warmup_steps=20),
     ),
     AdapterSpec(
         name="sort", task="sort", rank=32, lora_alpha=64, target_modules=_ATTN + _MLP, use_rslora=True,
-        train=TrainConfig(steps=200, batch_size=48, lr=2e-3, warmup_steps=10),
+        train=TrainConfig(steps=600, batch_size=48, lr=2e-3, warmup_steps=20),
     ),
     AdapterSpec(
-        name="opposites", task="opposites", rank=4, lora_alpha=8, target_modules=_MLP,
+        # No k_proj, and PEFT's per-module overrides: down_proj gets rank 8 and alpha 32.
+        name="opposites", task="opposites", rank=4, lora_alpha=8,
+        target_modules=("q_proj", "v_proj", "o_proj") + _MLP,
         rank_pattern=(("down_proj", 8),), alpha_pattern=(("down_proj", 32),),
-        train=TrainConfig(steps=160, batch_size=48, lr=4e-3, warmup_steps=10),
+        train=TrainConfig(steps=800, batch_size=48, lr=5e-3, warmup_steps=20),
     ),
 )
 

@@ -16,7 +16,7 @@ from services.engine.sequence import Priority
 def tiny_model(tmp_path_factory) -> Path:
     from services.modelkit import build_tiny_random
 
-    return build_tiny_random(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
+    return build_tiny_random(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="session")
