@@ -2,7 +2,7 @@ import { describe, expect, it } from "vitest";
 import type { FinanceRow } from "../src/api/types";
 import { FINANCE_COLUMNS, columnDef, csvUrl, financeTotals, totalsMismatch } from "../src/lib/finance";
 import { formatBytes, formatMetric, meterFraction, meterLevel, relativeTime } from "../src/lib/format";
-import { gateRows } from "../src/lib/gate";
+import { gateRows, gateSummary } from "../src/lib/gate";
 import { limitsToText, parseLimits, slugify } from "../src/lib/limits";
 import { canOpen, homeFor, navFor } from "../src/lib/roles";
 import { matchRoute } from "../src/lib/router";
@@ -110,6 +110,50 @@ describe("gateRows", () => {
     expect(by.loss).toMatchObject({ threshold: 2, kind: null, pass: null });
     expect(by.min_examples).toMatchObject({ value: undefined, threshold: 16, pass: null });
     expect(rows).toHaveLength(5);
+  });
+});
+
+describe("gateSummary", () => {
+  const gate = {
+    passed: true,
+    metrics: {
+      adapter: { exact_match: 0.75, rouge_l: 0.8375, token_f1: 0.84 },
+      base: { exact_match: 0, rouge_l: 0.1, token_f1: 0.05 },
+      full_precision: { exact_match: 0.75, rouge_l: 0.85, token_f1: 0.84 },
+      fp8_token_agreement: 0.97,
+      fp8_exact_output_match: 0.9167,
+      served_weight_dtype: "fp8",
+      latency: { base_ms_per_token: 3.456, adapter_ms_per_token: 5.43, adapter_overhead: 1.571 },
+      n_examples: 12,
+      n_skipped: 0,
+      eval_set: "tenant",
+      extra_thing: 3,
+    },
+    thresholds: { metric: "rouge_l", min_margin: 0.05, min_fp8_agreement: 0.9 },
+    examples: [],
+  };
+
+  it("turns the gate's nested metrics into its two checks and a score table", () => {
+    const s = gateSummary(gate);
+    expect(s.flat).toBeNull();
+    const margin = s.checks.find((c) => c.id === "margin")!;
+    expect(margin.value).toBeCloseTo(0.7375);
+    expect(margin).toMatchObject({ threshold: 0.05, pass: true });
+    expect(s.checks.find((c) => c.id === "fp8")).toMatchObject({ value: 0.97, threshold: 0.9, pass: true });
+    expect(s.scores.map((r) => r.name)).toEqual(["exact_match", "rouge_l", "token_f1"]);
+    expect(s.scores.find((r) => r.gated)?.name).toBe("rouge_l");
+    expect(s.scores[0]).toMatchObject({ base: 0, adapter: 0.75, full: 0.75, delta: 0.75 });
+    const facts = Object.fromEntries(s.facts.map((f) => [f.label, f.value]));
+    expect(facts.Examples).toBe("12 from the eval set uploaded with this version");
+    expect(facts["Adapter overhead"]).toBe("×1.571");
+    expect(facts["extra thing"]).toBe("3"); // nothing the gate reported is hidden
+  });
+
+  it("fails a check below its threshold and falls back to flat rows for other shapes", () => {
+    const low = gateSummary({ ...gate, passed: false, metrics: { ...gate.metrics, fp8_token_agreement: 0.5 } });
+    expect(low.checks.find((c) => c.id === "fp8")?.pass).toBe(false);
+    const flat = gateSummary({ passed: null as unknown as boolean, metrics: { margin: 0.1 }, thresholds: { min_margin: 0.05 }, examples: [] });
+    expect(flat.flat).toHaveLength(1);
   });
 });
 

@@ -187,3 +187,20 @@ describe("FinancePage", () => {
     expect(byTestId(root, "sort-margin")!.closest("th")!.getAttribute("aria-sort")).toBe("descending");
   });
 });
+
+describe("lifecycle steps", () => {
+  it("show where a rejected version stopped", async () => {
+    const { stepState } = await import("../src/components/VersionDetails");
+    // Refused by validation: never evaluated.
+    expect(["uploaded", "validating", "evaluating", "final"].map((s) => stepState(s, "rejected", false))).toEqual([
+      "done", "failed", "skipped", "done",
+    ]);
+    // Refused by the quality gate: every step ran.
+    expect(["uploaded", "validating", "evaluating", "final"].map((s) => stepState(s, "rejected", true))).toEqual([
+      "done", "done", "done", "done",
+    ]);
+    expect(["uploaded", "validating", "evaluating", "final"].map((s) => stepState(s, "validating", false))).toEqual([
+      "done", "current", "todo", "todo",
+    ]);
+  });
+});

@@ -2,15 +2,22 @@
 import { useState } from "preact/hooks";
 import type { AdapterVersion, VersionStatus } from "../api/types";
 import { useApp } from "../context";
-import { formatDateTime, formatMetric, shortHash } from "../lib/format";
-import { gateRows } from "../lib/gate";
+import { formatDateTime, formatMetric, formatPercent, shortHash } from "../lib/format";
+import { gateSummary, type GateRow } from "../lib/gate";
 import { useAction } from "../lib/useAction";
 import { Badge, isInFlight } from "./Badge";
 import { FormError, TableScroll } from "./Status";
 
 const ORDER: VersionStatus[] = ["uploaded", "validating", "evaluating"];
 
-function stepState(step: string, status: VersionStatus): "done" | "current" | "todo" {
+type StepState = "done" | "current" | "todo" | "failed" | "skipped";
+
+/** Where each lifecycle step stands. `evaluated`: the gate ran (a rejection without it came from validation). */
+export function stepState(step: string, status: VersionStatus, evaluated: boolean): StepState {
+  if (status === "rejected" && !evaluated) {
+    if (step === "validating") return "failed";
+    if (step === "evaluating") return "skipped";
+  }
   if (step === "final") return isInFlight(status) ? "todo" : "done";
   const at = ORDER.indexOf(status);
   const i = ORDER.indexOf(step as VersionStatus);
@@ -18,22 +25,28 @@ function stepState(step: string, status: VersionStatus): "done" | "current" | "t
   return i < at ? "done" : i === at ? "current" : "todo";
 }
 
-export function VersionSteps({ status }: { status: VersionStatus }) {
+const STEP_NOTE: Record<StepState, string> = { done: " (done)", current: " (current)", todo: "", failed: " (failed)", skipped: " (skipped)" };
+
+export function VersionSteps({ status, evaluated = true }: { status: VersionStatus; evaluated?: boolean }) {
   const finalLabel = status === "rejected" ? "rejected" : "ready";
   const steps = [...ORDER.map((s) => ({ key: s, label: s })), { key: "final", label: finalLabel }];
   return (
     <ol class="steps" data-testid="version-steps" aria-label="Lifecycle">
       {steps.map((s) => {
-        const st = stepState(s.key, status);
+        const st = stepState(s.key, status, evaluated);
+        const bad = st === "failed" || (s.key === "final" && status === "rejected");
+        const cls = st === "failed" ? "step-done" : st === "skipped" ? "step-skipped" : `step-${st}`;
         return (
           <li
             key={s.key}
-            class={`step step-${st} ${s.key === "final" && status === "rejected" ? "step-bad" : ""}`}
+            class={`step ${cls} ${bad ? "step-bad" : ""}`}
+            data-state={st}
             aria-current={st === "current" || (s.key === "final" && st === "done") ? "step" : undefined}
           >
             <span class="step-dot" aria-hidden="true" />
             {s.label}
-            <span class="sr-only">{st === "done" ? " (done)" : st === "current" ? " (current)" : ""}</span>
+            {st === "skipped" && <span class="small"> (skipped)</span>}
+            <span class="sr-only">{st === "skipped" ? "" : STEP_NOTE[st]}</span>
           </li>
         );
       })}
@@ -53,7 +66,7 @@ export function VersionDetails(props: { version: AdapterVersion; canOverride: bo
         </h2>
         <Badge text={v.status} testid="version-status" />
       </div>
-      <VersionSteps status={v.status} />
+      <VersionSteps status={v.status} evaluated={v.eval !== null} />
       {inFlight && (
         <div class="version-progress">
           <label for={`vp-${v.id}`}>Progress</label>
@@ -113,41 +126,89 @@ export function VersionDetails(props: { version: AdapterVersion; canOverride: bo
         </p>
       )}
       {/* keyed by status: after an override the form starts again from the new state's opposite decision */}
-      {props.canOverride && !inFlight && <OverrideForm key={`${v.id}-${v.status}`} version={v} onChanged={props.onChanged} />}
+      {/* The gate's verdict can be overruled; validation's cannot (the files are not a loadable adapter). */}
+      {props.canOverride && !inFlight && (v.eval !== null || v.status === "ready") && (
+        <OverrideForm key={`${v.id}-${v.status}`} version={v} onChanged={props.onChanged} />
+      )}
+      {props.canOverride && v.status === "rejected" && v.eval === null && !v.override && (
+        <p class="muted" data-testid="override-unavailable">
+          Rejected by validation, before the quality gate: there is nothing to override. Upload a fixed version instead.
+        </p>
+      )}
     </div>
   );
 }
 
 function GateResults({ version }: { version: AdapterVersion }) {
   const gate = version.eval!;
-  const rows = gateRows(gate);
+  const summary = gateSummary(gate);
   return (
     <div class="gate" data-testid="gate-metrics">
       <h3 class="h4">
         Quality gate: <Badge text={gate.passed ? "passed" : "failed"} testid="gate-passed" />
       </h3>
-      <TableScroll label="Quality gate metrics">
-        <thead>
-          <tr>
-            <th scope="col">Metric</th>
-            <th scope="col" class="num">Value</th>
-            <th scope="col" class="num">Threshold</th>
-            <th scope="col">Verdict</th>
-          </tr>
-        </thead>
-        <tbody>
-          {rows.map((r) => (
-            <tr key={r.name} data-testid={`gate-metric-${r.name}`}>
-              <th scope="row">{r.name.replace(/_/g, " ")}</th>
-              <td class="num">{formatMetric(r.value)}</td>
-              <td class="num">
-                {r.threshold === undefined ? "—" : `${r.kind === "min" ? "≥ " : r.kind === "max" ? "≤ " : ""}${formatMetric(r.threshold)}`}
-              </td>
-              <td>{r.pass === null ? "—" : <Badge text={r.pass ? "passed" : "failed"} />}</td>
-            </tr>
-          ))}
-        </tbody>
-      </TableScroll>
+      {summary.flat ? (
+        <FlatGateRows rows={summary.flat} />
+      ) : (
+        <>
+          <TableScroll label="Quality gate checks">
+            <thead>
+              <tr>
+                <th scope="col">Check</th>
+                <th scope="col" class="num">Result</th>
+                <th scope="col" class="num">Required</th>
+                <th scope="col">Verdict</th>
+              </tr>
+            </thead>
+            <tbody>
+              {summary.checks.map((c) => (
+                <tr key={c.id} data-testid={`gate-check-${c.id}`}>
+                  <th scope="row">{c.label}</th>
+                  <td class="num">{c.id === "margin" ? signed(c.value) : formatPercent(c.value)}</td>
+                  <td class="num">{c.threshold === null ? "—" : `≥ ${c.id === "margin" ? signed(c.threshold) : formatPercent(c.threshold)}`}</td>
+                  <td>{c.pass === null ? "—" : <Badge text={c.pass ? "passed" : "failed"} />}</td>
+                </tr>
+              ))}
+            </tbody>
+          </TableScroll>
+          <TableScroll label="Scores on the eval set (0 to 1, higher is better)">
+            <caption class="caption">Scores on the eval set (0–1, higher is better)</caption>
+            <thead>
+              <tr>
+                <th scope="col">Metric</th>
+                <th scope="col" class="num">Base model</th>
+                <th scope="col" class="num">Adapter</th>
+                <th scope="col" class="num">Adapter, full precision</th>
+                <th scope="col" class="num">Adapter − base</th>
+              </tr>
+            </thead>
+            <tbody>
+              {summary.scores.map((r) => (
+                <tr key={r.name} data-testid={`gate-metric-${r.name}`} class={r.gated ? "row-strong" : undefined}>
+                  <th scope="row">
+                    {r.name.replace(/_/g, "-")}
+                    {r.gated && <span class="muted small"> (gate metric)</span>}
+                  </th>
+                  <td class="num">{formatMetric(r.base)}</td>
+                  <td class="num">{formatMetric(r.adapter)}</td>
+                  <td class="num">{formatMetric(r.full)}</td>
+                  <td class="num">{signed(r.delta)}</td>
+                </tr>
+              ))}
+            </tbody>
+          </TableScroll>
+          {summary.facts.length > 0 && (
+            <dl class="meta" data-testid="gate-facts">
+              {summary.facts.map((f) => (
+                <div key={f.label}>
+                  <dt>{f.label}</dt>
+                  <dd>{f.value}</dd>
+                </div>
+              ))}
+            </dl>
+          )}
+        </>
+      )}
       {gate.examples.length > 0 && (
         <details class="examples">
           <summary>
@@ -163,6 +224,40 @@ function GateResults({ version }: { version: AdapterVersion }) {
         </details>
       )}
     </div>
+  );
+}
+
+function signed(v: number | null): string {
+  if (v === null) return "—";
+  const s = formatMetric(Math.abs(v) < 5e-5 ? 0 : v);
+  return v > 0 && !s.startsWith("+") ? `+${s}` : s;
+}
+
+/** Metrics of an unknown shape: name, value, and a threshold when one is named after it. */
+function FlatGateRows({ rows }: { rows: GateRow[] }) {
+  return (
+    <TableScroll label="Quality gate metrics">
+      <thead>
+        <tr>
+          <th scope="col">Metric</th>
+          <th scope="col" class="num">Value</th>
+          <th scope="col" class="num">Threshold</th>
+          <th scope="col">Verdict</th>
+        </tr>
+      </thead>
+      <tbody>
+        {rows.map((r) => (
+          <tr key={r.name} data-testid={`gate-metric-${r.name}`}>
+            <th scope="row">{r.name.replace(/_/g, " ")}</th>
+            <td class="num">{formatMetric(r.value)}</td>
+            <td class="num">
+              {r.threshold === undefined ? "—" : `${r.kind === "min" ? "≥ " : r.kind === "max" ? "≤ " : ""}${formatMetric(r.threshold)}`}
+            </td>
+            <td>{r.pass === null ? "—" : <Badge text={r.pass ? "passed" : "failed"} />}</td>
+          </tr>
+        ))}
+      </tbody>
+    </TableScroll>
   );
 }
 

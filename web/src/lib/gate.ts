@@ -1,5 +1,6 @@
 /** Lines up the quality gate's metrics with its thresholds so each shows value, bar and verdict. */
 import type { GateEval } from "../api/types";
+import { formatInt, formatMetric, formatPercent } from "./format";
 
 export interface GateRow {
   name: string;
@@ -42,4 +43,109 @@ export function gateRows(gate: GateEval): GateRow[] {
 function verdict(value: unknown, threshold: unknown, kind: GateRow["kind"]): boolean | null {
   if (typeof value !== "number" || typeof threshold !== "number" || kind === null) return null;
   return kind === "min" ? value >= threshold : value <= threshold;
+}
+
+/** One pass/fail check of the gate, with the number it was decided on. */
+export interface GateCheck {
+  id: "margin" | "fp8";
+  label: string;
+  value: number | null;
+  threshold: number | null;
+  pass: boolean | null;
+}
+
+/** One similarity score on the eval set: base, adapter (served precision), adapter at full precision. */
+export interface ScoreRow {
+  name: string;
+  base: number | null;
+  adapter: number | null;
+  full: number | null;
+  /** adapter - base */
+  delta: number | null;
+  /** the metric the margin check uses */
+  gated: boolean;
+}
+
+export interface GateFact {
+  label: string;
+  value: string;
+}
+
+/** The gate's result as people read it; `flat` holds the generic rows when the metrics are not the gate's shape. */
+export interface GateSummary {
+  checks: GateCheck[];
+  scores: ScoreRow[];
+  facts: GateFact[];
+  flat: GateRow[] | null;
+}
+
+const num = (v: unknown): number | null => (typeof v === "number" && Number.isFinite(v) ? v : null);
+const obj = (v: unknown): Record<string, unknown> | null =>
+  v && typeof v === "object" && !Array.isArray(v) ? (v as Record<string, unknown>) : null;
+
+const CONSUMED = new Set([
+  "adapter", "base", "full_precision", "fp8_token_agreement", "fp8_exact_output_match", "served_weight_dtype",
+  "latency", "n_examples", "n_skipped", "eval_set",
+]);
+
+function evalSetLabel(source: unknown): string | null {
+  if (typeof source !== "string" || !source) return null;
+  if (source === "tenant") return "the eval set uploaded with this version";
+  if (source === "default") return "the platform's default eval set";
+  if (source.startsWith("demo:")) return `the demo kit's “${source.slice(5)}” eval set`;
+  return source;
+}
+
+/**
+ * The quality gate's metrics (services/adapters/gate.py): scores of adapter, base and full precision per
+ * similarity metric, FP8 token agreement, latency sample, and the thresholds of the two checks.
+ */
+export function gateSummary(gate: GateEval): GateSummary {
+  const m = gate.metrics ?? {};
+  const t = gate.thresholds ?? {};
+  const adapter = obj(m.adapter);
+  const base = obj(m.base);
+  if (!adapter || !base) return { checks: [], scores: [], facts: [], flat: gateRows(gate) };
+  const full = obj(m.full_precision) ?? {};
+  const metric = typeof t.metric === "string" ? t.metric : "rouge_l";
+
+  const names = [...new Set([...Object.keys(adapter), ...Object.keys(base), ...Object.keys(full)])];
+  const scores: ScoreRow[] = names.map((name) => {
+    const a = num(adapter[name]);
+    const b = num(base[name]);
+    return { name, base: b, adapter: a, full: num(full[name]), delta: a !== null && b !== null ? a - b : null, gated: name === metric };
+  });
+
+  const judge = (value: number | null, threshold: number | null) => (value === null || threshold === null ? null : value >= threshold);
+  const margin = scores.find((s) => s.gated)?.delta ?? null;
+  const minMargin = num(t.min_margin);
+  const agreement = num(m.fp8_token_agreement);
+  const minAgreement = num(t.min_fp8_agreement);
+  const dtype = typeof m.served_weight_dtype === "string" ? m.served_weight_dtype : "served";
+  const checks: GateCheck[] = [
+    { id: "margin", label: `Beats the base model on ${metric.replace(/_/g, "-")}`, value: margin, threshold: minMargin, pass: judge(margin, minMargin) },
+    { id: "fp8", label: `Greedy tokens agree, ${dtype} vs full precision`, value: agreement, threshold: minAgreement, pass: judge(agreement, minAgreement) },
+  ];
+
+  const facts: GateFact[] = [];
+  const source = evalSetLabel(m.eval_set);
+  const n = num(m.n_examples);
+  if (n !== null) {
+    const skipped = num(m.n_skipped);
+    facts.push({ label: "Examples", value: `${formatInt(n)}${source ? ` from ${source}` : ""}${skipped ? ` (${formatInt(skipped)} too long, skipped)` : ""}` });
+  } else if (source) facts.push({ label: "Eval set", value: source });
+  const exact = num(m.fp8_exact_output_match);
+  if (exact !== null) facts.push({ label: `Identical outputs, ${dtype} vs full precision`, value: formatPercent(exact) });
+  const lat = obj(m.latency);
+  if (lat) {
+    const b = num(lat.base_ms_per_token);
+    const a = num(lat.adapter_ms_per_token);
+    if (a !== null && b !== null) facts.push({ label: "Latency per token (base → adapter)", value: `${formatMetric(b)} ms → ${formatMetric(a)} ms` });
+    const overhead = num(lat.adapter_overhead);
+    if (overhead !== null) facts.push({ label: "Adapter overhead", value: `×${formatMetric(overhead)}` });
+  }
+  for (const [k, v] of Object.entries(m)) {
+    if (!CONSUMED.has(k)) facts.push({ label: k.replace(/_/g, " "), value: formatMetric(v) });
+  }
+  return { checks, scores, facts, flat: null };
 }

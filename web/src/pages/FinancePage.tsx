@@ -171,7 +171,8 @@ function Stat(props: { label: string; micro: bigint | number; sub?: string; test
   );
 }
 
-/** Billed vs cost per tenant (in table order); dollars as floats are fine here, the chart only draws them. */
+/** Billed vs cost per tenant (in table order). Plotted in integer micro-USD so the axis and tooltips print
+ * dollars with the same formatter as the table (tiny demo bills would otherwise read 1.2E-5). */
 function FinanceChart({ rows }: { rows: FinanceRow[] }) {
   const shown = rows.slice(0, 20);
   const config = useMemo<ChartConfiguration>(
@@ -180,11 +181,22 @@ function FinanceChart({ rows }: { rows: FinanceRow[] }) {
       data: {
         labels: shown.map((r) => r.tenant_name),
         datasets: [
-          { label: "Billed ($)", data: shown.map((r) => r.billed_microusd / 1e6), backgroundColor: PALETTE[0] },
-          { label: "Attributed cost ($)", data: shown.map((r) => r.compute_cost_microusd / 1e6), backgroundColor: PALETTE[5] },
+          { label: "Billed", data: shown.map((r) => Number(r.billed_microusd)), backgroundColor: PALETTE[0] },
+          { label: "Attributed cost", data: shown.map((r) => Number(r.compute_cost_microusd)), backgroundColor: PALETTE[5] },
         ],
       },
-      options: { scales: { y: { beginAtZero: true, title: { display: true, text: "USD" } } } },
+      options: {
+        scales: {
+          y: {
+            beginAtZero: true,
+            title: { display: true, text: "USD" },
+            ticks: { precision: 0, callback: (v) => formatUsd(Math.round(Number(v))) },
+          },
+        },
+        plugins: {
+          tooltip: { callbacks: { label: (ctx) => `${ctx.dataset.label}: ${formatUsd(Math.round(Number(ctx.raw)))}` } },
+        },
+      },
     }),
     [rows],
   );
