@@ -75,7 +75,12 @@ model: $(DEPS)
 up: model web
 	@$(MPLEX) up
 
-test: model $(TOOLS) web
+# Debian's Chromium for the browser tests (tests/web): Playwright's own browser download cannot work offline.
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null || (echo ">> installing chromium (apt-get)" && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+test: model $(TOOLS) web chromium
 	@cd web && npm run --silent test:built
 	@$(PY) -m pytest -q
 

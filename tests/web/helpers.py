@@ -1,0 +1,106 @@
+"""Small helpers for the browser tests: sign in through the form, read numbers the page shows, wait on the server."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from playwright.sync_api import Page, expect
+
+T = TypeVar("T")
+
+PASSWORDS = {
+    "admin@demo.test": "demo-admin-pass",
+    "member@demo.test": "demo-member-pass",
+    "platform@multiplex.test": "platform-admin-pass",
+    "finance@multiplex.test": "finance-demo-pass",
+}
+
+
+def tid(page: Page, test_id: str):
+    return page.get_by_test_id(test_id)
+
+
+def sign_in(page: Page, email: str, path: str = "/") -> None:
+    """Sign in through the form, as a person would; lands on the role's start page (or `path`)."""
+    page.goto(path)
+    tid(page, "login-email").fill(email)
+    tid(page, "login-password").fill(PASSWORDS[email])
+    tid(page, "login-submit").click()
+    expect(tid(page, "current-user")).to_contain_text(email)
+
+
+def number(page: Page, test_id: str) -> int:
+    """An integer the page prints with thousands separators (e.g. `1,234`)."""
+    text = tid(page, test_id).inner_text().strip()
+    return int(text.replace(",", "").replace("\u202f", "").replace("\xa0", ""))
+
+
+def micro_usd(page: Page, test_id: str) -> int:
+    return int(tid(page, test_id).get_attribute("data-microusd"))
+
+
+def csrf_token(page: Page) -> str:
+    """The signed-in browser's CSRF token, from the same endpoint the app restores its session with."""
+    r = page.context.request.get("/api/auth/me")
+    assert r.ok, r.text()
+    return r.json()["csrf_token"]
+
+
+def wait_for(fn: Callable[[], T | None], timeout: float = 60, interval: float = 0.5, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        time.sleep(interval)
+
+
+# -- the ledger, read straight from the database (the oracle the pages are checked against) ------------------
+DEMO_PRICES = {"input": 200_000, "cached_input": 100_000, "output": 600_000, "adapter_surcharge": 50_000}  # per 1M tokens
+CPU_PER_HOUR = 400_000  # micro-USD per engine-hour of the demo "cpu" engine type
+PICO_PER_MICRO = 1_000_000
+US_PER_HOUR = 3_600_000_000
+
+
+def _half_up(n: int, d: int) -> int:
+    return (2 * n + d) // (2 * d)
+
+
+def ledger_totals(db_engine, day_from, day_to, tenant_id=None) -> dict[str, int]:
+    """Requests, tokens, billed and attributed cost for UTC days [day_from, day_to] computed from usage_events
+    with the demo prices: money rounded once per (day, tenant, model, adapter) as the billing rules say."""
+    from datetime import datetime, time, timedelta, timezone
+
+    from sqlalchemy import text
+
+    lo = datetime.combine(day_from, time.min, timezone.utc)
+    hi = datetime.combine(day_to + timedelta(days=1), time.min, timezone.utc)
+    sql = ("SELECT count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(compute_us), "
+           "bool_or(adapter_version_id IS NOT NULL) FROM usage_events WHERE created_at >= :lo AND created_at < :hi"
+           + (" AND tenant_id = :t" if tenant_id else "")
+           + " GROUP BY (created_at AT TIME ZONE 'UTC')::date, tenant_id, model, adapter_version_id")
+    out = dict.fromkeys(("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "billed_microusd",
+                         "compute_cost_microusd"), 0)
+    with db_engine.connect() as conn:
+        for n, p, c, o, us, adapter in conn.execute(text(sql), {"lo": lo, "hi": hi, "t": tenant_id}):
+            pico = (p - c) * DEMO_PRICES["input"] + c * DEMO_PRICES["cached_input"] + o * DEMO_PRICES["output"]
+            if adapter:
+                pico += (p + o) * DEMO_PRICES["adapter_surcharge"]
+            out["requests"] += n
+            out["prompt_tokens"] += p
+            out["cached_tokens"] += c
+            out["completion_tokens"] += o
+            out["billed_microusd"] += _half_up(pico, PICO_PER_MICRO)
+            out["compute_cost_microusd"] += _half_up(us * CPU_PER_HOUR, US_PER_HOUR)
+    return out
+
+
+def ledger_count(db_engine, **where) -> int:
+    from sqlalchemy import text
+
+    clause = " AND ".join(f"{k} = :{k}" for k in where) or "true"
+    with db_engine.connect() as conn:
+        return conn.execute(text(f"SELECT count(*) FROM usage_events WHERE {clause}"), where).scalar_one()
