@@ -65,6 +65,7 @@ ENDPOINTS = [
     Endpoint("GET", "/api/admin/tenants", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
     Endpoint("PATCH", "/api/admin/tenants/{id}", PLATFORM, "tenant", False, {"status": "suspended"}),
+    Endpoint("GET", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False),
     Endpoint("POST", "/api/admin/tenants/{id}/users", PLATFORM, "tenant", False,
              {"email": "bola@example.test", "password": "bola password 1", "role": "tenant_admin"}),
     Endpoint("GET", "/api/admin/adapter-versions/{id}", PLATFORM, "version", False),

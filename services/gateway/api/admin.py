@@ -144,6 +144,16 @@ def create_user(tenant_id: uuid.UUID, body: UserCreate, user: PlatformAdmin, req
 
 
 # -- adapters ---------------------------------------------------------------------------------------------------
+@router.get("/tenants/{tenant_id}/adapters", response_model=ListOf[AdapterOut], responses=_ERRORS_404)
+def list_tenant_adapters(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
+    """One tenant's live adapters with every version's status and gate results (what the tenant sees at
+    /api/tenant/adapters, with overriding admins named). An unknown tenant is a 404, not an empty list."""
+    tenant = crud.get_tenant(db, tenant_id=tenant_id)
+    items = crud.list_adapters(db, tenant_id=tenant.id)
+    names = _override_names(db, [v for item in items for v in item.versions])
+    return ListOf[AdapterOut](data=[adapter_out(item, override_names=names) for item in items])
+
+
 @router.get("/adapter-versions/{version_id}", response_model=VersionOut, responses=_ERRORS_404)
 def get_adapter_version(version_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
     v = crud.get_version(db, version_id=version_id, tenant_id=None)
