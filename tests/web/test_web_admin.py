@@ -137,3 +137,12 @@ def test_a_pickled_upload_is_rejected_and_the_page_shows_why(page, web_stack, tm
     page.reload()
     expect(tid(page, "version-status")).to_have_text("rejected")
     expect(tid(page, "rejection-reasons")).to_contain_text("pickle_file")
+
+    # Later, from the tenants list: the tenant's adapters, this version among them, its reasons one click away.
+    tid(page, "nav-tenants").click()
+    tid(page, "tenant-adapters-demo").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Adapters of Demo Tenant")
+    card = tid(page, f"adapter-{name}")
+    expect(card).to_contain_text("no active version")
+    card.locator("[data-testid^='version-toggle-']").click()
+    expect(card.get_by_test_id("rejection-reasons")).to_contain_text("pickle_file")

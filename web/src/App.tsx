@@ -110,6 +110,8 @@ function resolve(user: User, path: string): Resolved | null {
   const clean = path.replace(/\/+$/, "") || "/";
   if (exact[clean]) return exact[clean]();
   if (clean === "/adapters/upload" && user.role === "tenant_admin") return { title: "Upload adapter", page: <UploadPage scope="tenant" /> };
+  const tenantAdapters = matchRoute("/admin/tenants/:id/adapters", clean);
+  if (tenantAdapters) return { title: "Adapters", page: <AdaptersPage key={tenantAdapters.id} tenantId={tenantAdapters.id} /> };
   for (const pattern of ["/admin/versions/:id", "/adapters/versions/:id"]) {
     const m = matchRoute(pattern, clean);
     if (m) return { title: "Adapter version", page: <VersionPage key={m.id} versionId={m.id} /> };

@@ -2,6 +2,7 @@
 import { Fragment } from "preact";
 import { useState } from "preact/hooks";
 import type { AdminTenant, ListResponse, Role, Tenant, User } from "../api/types";
+import { Link } from "../components/Link";
 import { Badge } from "../components/Badge";
 import { Empty, ErrorBox, FormError, LiveText, Loading, TableScroll } from "../components/Status";
 import { useApp } from "../context";
@@ -192,6 +193,9 @@ function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged
               <td class="small limits-cell wrap">{limitsSummary(t)}</td>
               <td class="num">{formatInt(t.usage_this_month_tokens)}</td>
               <td class="actions">
+                <Link to={`/admin/tenants/${encodeURIComponent(t.id)}/adapters`} class="btn btn-small" testid={`tenant-adapters-${t.slug}`}>
+                  Adapters<span class="sr-only"> of {t.name}</span>
+                </Link>
                 <button type="button" class="btn btn-small" aria-expanded={panel?.id === t.id && panel.kind === "edit"} onClick={() => toggle(t.id, "edit")} data-testid={`tenant-edit-${t.slug}`}>
                   Edit<span class="sr-only"> {t.name}</span>
                 </button>
