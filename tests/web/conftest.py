@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests.stack import Stack
+from tests.web.helpers import DESKTOP
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "web" / "dist"
 ARTIFACTS = ROOT / "test-artifacts" / "web"
 CHROMIUM = Path(os.environ.get("MPLEX_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu"]
-DESKTOP = {"width": 1280, "height": 800}
-PHONE = {"width": 390, "height": 844}
 # The gate on a small slice of the eval set: the demo adapters beat the base by a wide margin on any slice.
 GATE_ENV = {"MPLEX_ADAPTERS_MAX_EXAMPLES": "12", "MPLEX_ADAPTERS_MAX_NEW_TOKENS": "24",
             "MPLEX_ADAPTERS_LATENCY_SAMPLES": "1"}

@@ -9,6 +9,9 @@ from playwright.sync_api import Page, expect
 
 T = TypeVar("T")
 
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+
 PASSWORDS = {
     "admin@demo.test": "demo-admin-pass",
     "member@demo.test": "demo-member-pass",

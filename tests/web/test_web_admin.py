@@ -48,7 +48,7 @@ def db_version(web_stack, name: str) -> dict:
     return {"id": str(row.id), "status": str(row.status), "tenant_id": row.tenant_id}
 
 
-def test_admin_uploads_a_demo_adapter_and_watches_it_become_ready(page, web_stack, tmp_path):
+def test_admin_uploads_a_demo_adapter_and_watches_it_become_ready(page, web_stack):
     adapter = web_stack.kit.adapters[ADAPTER]
     name = f"{ADAPTER}-{uuid.uuid4().hex[:6]}"
     open_upload_form(page, web_stack, name)
@@ -58,11 +58,12 @@ def test_admin_uploads_a_demo_adapter_and_watches_it_become_ready(page, web_stac
     page.get_by_text("Quality gate options").click()
     tid(page, "upload-eval-set").set_input_files(adapter.eval_path)
 
-    # A slow uplink, so the transfer takes a few seconds and the bar has something to show.
+    # A slow uplink, so the transfer takes about three seconds and the bar has something to show.
+    size = sum(f.stat().st_size for f in adapter.path.iterdir()) + adapter.eval_path.stat().st_size
     cdp = page.context.new_cdp_session(page)
     cdp.send("Network.enable")
     cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
-                                                  "uploadThroughput": 32 * 1024})
+                                                  "uploadThroughput": max(16 * 1024, size // 3)})
     page.evaluate(WATCH)
     tid(page, "upload-submit").click()
     expect(tid(page, "upload-progress")).to_have_attribute("data-phase", "done", timeout=60_000)
