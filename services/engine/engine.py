@@ -65,6 +65,7 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None):
         self.config = config
+        self._hits_reported = 0
         torch.manual_seed(config.seed)
         self.model = model or load_model(
             config.model_dir, dtype=config.torch_dtype, device=config.device, weight_dtype=config.weight_dtype
@@ -165,6 +166,7 @@ class LLMEngine:
         self._streams.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         self.metrics.count_finished("abort")
+        self._update_gauges()  # the step loop may go idle now and would leave the gauges stale
         return True
 
     def has_unfinished(self) -> bool:
@@ -176,7 +178,12 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         failed = self._fail_adapter_loads()
+        self._prefetch_adapters()
         plan = self.scheduler.schedule()
+        hits = self.scheduler.prefix_hit_tokens - self._hits_reported
+        if hits:
+            self.metrics.prefix_hit_tokens.inc(hits)
+            self._hits_reported += hits
         self.metrics.preemptions.inc(len(plan.preempted))
         self.last_plan_empty = plan.is_empty
         if plan.is_empty:
@@ -188,6 +195,33 @@ class LLMEngine:
         outputs = self._postprocess(plan, sampled, elapsed)
         self._update_gauges()
         return failed + outputs
+
+    def _prefetch_adapters(self) -> None:
+        """Keep the adapters of the next waiting requests host-resident or loading.
+
+        A request asks for its adapter when it arrives, but with more distinct adapters queued than
+        the host tier holds, later loads evict earlier ones before they ever get a slot; without
+        asking again those requests would wait forever. The window (the first `max_cpu_loras`
+        distinct adapters in queue order) bounds both the scan and the churn."""
+        if self.adapters is None or not self.scheduler.num_waiting:
+            return
+        window = max(1, min(self.config.lora.max_cpu_loras, 2 * self.config.lora.max_loras))
+        seen: set[str] = set()
+        scanned = 0
+        for queue in self.scheduler.waiting.values():
+            for seq in queue:
+                scanned += 1
+                if seq.adapter is None or seq.adapter.content_id in seen:
+                    if scanned >= 8 * window:
+                        return
+                    continue
+                seen.add(seq.adapter.content_id)
+                try:
+                    self.adapters.request(seq.adapter)
+                except AdapterFormatError:
+                    pass  # a failed load: _fail_adapter_loads refuses its requests on the next poll
+                if len(seen) >= window or scanned >= 8 * window:
+                    return
 
     def _fail_adapter_loads(self) -> list[RequestOutput]:
         """Requests waiting on an adapter that failed to load are refused with its specific error."""
@@ -282,8 +316,6 @@ class LLMEngine:
         self._seqs.pop(seq.request_id, None)
         self._streams.pop(seq.request_id, None)
         self.metrics.count_finished(reason)
-        if seq.num_cached_tokens:
-            self.metrics.prefix_hit_tokens.inc(seq.num_cached_tokens)
         self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
         if seq.adapter is not None:
             self.metrics.count_adapter(seq.adapter.name or seq.adapter.content_id[:12], seq.num_tokens)

@@ -67,6 +67,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._arrivals = 0
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # every admission's hit, re-admissions after preemption included
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -169,6 +170,7 @@ class Scheduler:
                 seq.lora_slot = slot
                 seq.slot_wait_steps = 0
                 seq.num_computed_tokens = hit.num_tokens
+                self.prefix_hit_tokens += hit.num_tokens
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = hit.num_tokens
                 seq.status = Status.RUNNING

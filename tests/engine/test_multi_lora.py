@@ -191,7 +191,7 @@ def _corrupt(kind: str, src: Path, dst: Path, demo_kit) -> Path:
 ])
 def test_malformed_adapter_is_refused_with_its_code_and_others_keep_decoding(demo_kit, adapters, refs_of, tmp_path, kind, code):
     bad_dir = _corrupt(kind, adapters["rand1"], tmp_path / kind, demo_kit)
-    cid = "0" * 63 + "1" if kind in ("missing_file", "pickle") else content_id(bad_dir)
+    cid = "0" * 63 + "1" if kind in ("missing_file", "pickle", "dora") else content_id(bad_dir)
     engine = make_engine(demo_kit.base_dir)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     good = engine.add_request("good", [5, 6, 7, 8], params, adapter=refs_of["rand0"])

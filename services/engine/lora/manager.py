@@ -217,7 +217,8 @@ class AdapterManager:
                 return None
             slot = self._install(weights)
         self._pin(slot)
-        self._host.move_to_end(cid)
+        if cid in self._host:  # a slot-resident adapter may have left the host tier; the slot is what counts
+            self._host.move_to_end(cid)
         return slot
 
     def release(self, seq: Sequence) -> None:
