@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,6 +128,14 @@ def viewport(request) -> dict:
     return getattr(request, "param", DESKTOP)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.rep_call = report
+    return report
+
+
 class BrowserProblems(list):
     """Console errors and uncaught exceptions seen by a page; the test fails if any remain at the end."""
 
@@ -150,4 +159,7 @@ def page(browser, web_stack, viewport, request) -> Iterator:
             page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
         finally:
             context.close()
+            report = getattr(request.node, "rep_call", None)
+            if report is not None and report.failed:  # the stack's side of the story, next to the screenshot
+                shutil.copytree(web_stack.stack.log_dir, ARTIFACTS / f"{name}-logs", dirs_exist_ok=True)
     assert not problems, "the browser reported errors:\n" + "\n".join(problems)
