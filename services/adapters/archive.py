@@ -16,6 +16,7 @@ import os
 import stat
 import tarfile
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -177,7 +178,7 @@ class _CountingReader(io.RawIOBase):
     def readinto(self, b) -> int:
         try:
             n = self.gz.readinto(b)
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
             raise AdapterFormatError("archive_unreadable", f"the gzip stream is corrupt: {exc}") from None
         self.out += n
         # The gzip layer may inflate at most as much as the archive may unpack to (plus tar headers).
@@ -222,8 +223,8 @@ def _unpack_tar(upload: Path, writer: _Writer, limits: ArchiveLimits, *, compres
 def _unpack_zip(upload: Path, writer: _Writer, limits: ArchiveLimits) -> None:
     try:
         zf = zipfile.ZipFile(upload)
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise AdapterFormatError("archive_unreadable", f"the zip archive is corrupt: {exc}") from None
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError) as exc:  # NotImplementedError: a zip version
+        raise AdapterFormatError("archive_unreadable", f"the zip archive is corrupt or unsupported: {exc}") from None
     with zf:
         infos = zf.infolist()
         if len(infos) > limits.max_files:
@@ -260,5 +261,5 @@ def _unpack_zip(upload: Path, writer: _Writer, limits: ArchiveLimits) -> None:
             try:
                 with zf.open(info) as src:  # reads at most file_size bytes and checks the CRC
                     writer.write(info.filename, src, info.file_size)
-            except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, NotImplementedError) as exc:
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, NotImplementedError, zlib.error) as exc:
                 raise AdapterFormatError("archive_unreadable", f"cannot read {info.filename!r}: {exc}") from None

@@ -47,20 +47,34 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
+def base_params(model_dir: Path) -> dict:
+    """What a `base_models` row records about a model directory. A directory without the model's dimensions
+    (a process that only needs the tokenizer, like a gateway in front of remote engines) gives a row without
+    them; the workers, which validate against the dimensions, fill them in from their own copy."""
+    raw = read_hf_config(model_dir)
+    params = {}
+    try:
+        params.update(BaseDims.from_hf_config(raw).as_params())
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        pass
+    for name in ("vocab_size", "max_position_embeddings"):
+        if isinstance(raw.get(name), int):
+            params[name] = raw[name]
+    if raw.get("_name_or_path"):
+        params["name_or_path"] = str(raw["_name_or_path"])
+    return params
+
+
 def ensure_base_model(session: Session, *, name: str, model_dir: Path, max_lora_rank: int = 64) -> BaseModelRecord:
     """Get or create the `base_models` row for the served base (concurrent callers agree on one row).
     `params` holds its dimensions; a row made elsewhere without them gets them filled in."""
-    raw = read_hf_config(model_dir)
-    params = {**BaseDims.from_hf_config(raw).as_params(), "vocab_size": int(raw.get("vocab_size", 0)),
-              "max_position_embeddings": int(raw.get("max_position_embeddings", 0))}
-    if raw.get("_name_or_path"):
-        params["name_or_path"] = str(raw["_name_or_path"])
+    params = base_params(model_dir)
     uri = f"file://{Path(model_dir).resolve()}"
     session.execute(insert(BaseModelRecord).values(name=name, uri=uri, params=params, max_lora_rank=max_lora_rank)
                     .on_conflict_do_nothing(index_elements=[BaseModelRecord.name]))
     row = session.scalar(select(BaseModelRecord).where(BaseModelRecord.name == name))
     assert row is not None
-    if not _has_dims(row.params):
+    if not _has_dims(row.params) and _has_dims(params):
         row.params = {**params, **(row.params or {})}
         session.flush()
     return row
@@ -76,10 +90,11 @@ def load_base_model(row: BaseModelRecord, *, model_dir: Path | None, max_lora_ra
     params = row.params or {}
     if _has_dims(params):
         dims = BaseDims.from_params(params)
-    elif model_dir is not None:
-        dims = BaseDims.from_hf_config(read_hf_config(model_dir))
+    elif model_dir is not None and _has_dims(base_params(model_dir)):
+        dims = BaseDims.from_params(base_params(model_dir))
     else:
-        raise ValueError(f"base model {row.name!r} has no dimensions in its params and no directory")
+        raise ValueError(f"base model {row.name!r}: neither its params nor its directory's config.json give its "
+                         f"dimensions ({', '.join(BaseDims.__slots__)})")
     names = {row.name, *extra_names}
     for value in (row.uri, str(model_dir) if model_dir else None, params.get("name_or_path")):
         if value:

@@ -29,7 +29,8 @@ def _version_dict(v) -> dict:
 def upload(
     path: Path = typer.Argument(..., exists=True, help="An adapter directory (the two PEFT files), a .tar.gz or a .zip"),
     tenant: str = typer.Option(..., "--tenant", help="Tenant slug or id"),
-    name: str = typer.Option(..., "--name", help="Adapter name (an existing name gets a new version)"),
+    name: str = typer.Option(None, "--name", help="Adapter name (an existing name gets a new version); default: "
+                                                  "the directory's or archive's name"),
     eval_set: Path = typer.Option(None, "--eval-set", exists=True, dir_okay=False, help="JSONL eval set"),
     min_margin: float = typer.Option(None, "--min-margin", help="Gate: adapter must beat the base by this much"),
     min_fp8_agreement: float = typer.Option(None, "--min-fp8-agreement", help="Gate: FP8 vs full-precision token agreement"),
@@ -43,6 +44,7 @@ def upload(
     from services.common.settings import get_settings
 
     settings = get_settings()
+    name = name or default_name(path)
     with private_dir(settings.home / "sandbox", "cli-") as tmp:
         try:
             result = upload_path(path, tenant=tenant, name=name, eval_set=eval_set.read_bytes() if eval_set else None,
@@ -67,6 +69,15 @@ def upload(
                f"{name} v{out['version']}: {out['status']} (version id {out['version_id']})")
     if out["status"] == "rejected":
         raise typer.Exit(2)
+
+
+def default_name(path: Path) -> str:
+    """`mplex adapters upload ./support-bot.tar.gz` names the adapter `support-bot`."""
+    name = path.resolve().name
+    for suffix in (".tar.gz", ".tgz", ".tar", ".zip"):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def upload_path(path: Path, *, tenant: str, name: str, eval_set: bytes | None, staging: Path,

@@ -214,7 +214,13 @@ def evaluate_version(rt: Runtime, version_id: uuid.UUID, attempt: int = 1, *, ta
             raise
         log.exception("quality gate for version %s (attempt %d) failed", version_id, attempt)
         return _fail_run(rt, version_id, run_id, attempt, exc)
-    return _finish(rt, version_id, run_id, attempt, result)
+    try:
+        return _finish(rt, version_id, run_id, attempt, result)
+    except Exception as exc:  # the verdict could not be stored: the run failed, a new attempt decides again
+        if _is_transient(exc):
+            raise
+        log.exception("recording the gate's verdict for version %s (attempt %d) failed", version_id, attempt)
+        return _fail_run(rt, version_id, run_id, attempt, exc)
 
 
 def load_eval_items(rt: Runtime, *, eval_uri: str | None, content_sha: str, adapter_name: str | None) -> tuple[list[EvalItem], str]:
@@ -249,6 +255,18 @@ def _demo_eval_path(rt: Runtime, content_sha: str, adapter_name: str | None) -> 
     return (demo.task, Path(demo.eval_path)) if demo is not None else None
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every string storable in Postgres JSONB/text, which refuse U+0000 (a model's output,
+    an eval set's expected text or a refusal message may hold one): NUL becomes U+FFFD."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def _finish(rt: Runtime, version_id: uuid.UUID, run_id: uuid.UUID, attempt: int, result: GateResult | None, *,
             refusal: dict[str, str] | None = None) -> StepOutcome:
     """Record the verdict: the run, the version's status and summary, and the active pointer — one transaction."""
@@ -261,16 +279,17 @@ def _finish(rt: Runtime, version_id: uuid.UUID, run_id: uuid.UUID, attempt: int,
         sha = v.content_sha256
         if result is None:
             passed, failures = False, [refusal]
+            refusal = json_safe(refusal)
             run.reasons = [{**refusal, "passed": False}]
             summary = {"passed": False, "attempt": attempt, "eval_run_id": str(run_id), "refused": refusal,
                        "metrics": {}, "thresholds": v.gate_config or {}, "examples": []}
         else:
-            passed, failures = result.passed, result.failures
-            run.metrics, run.examples, run.reasons = result.metrics, result.examples, result.reasons
+            passed, failures = result.passed, json_safe(result.failures)
+            run.metrics, run.examples, run.reasons = json_safe(result.metrics), json_safe(result.examples), json_safe(result.reasons)
             summary = {"passed": result.passed, "attempt": attempt, "eval_run_id": str(run_id), "metrics": result.metrics,
                        "thresholds": result.thresholds, "reasons": result.reasons, "examples": result.examples[:20]}
         run.status, run.decision, run.finished_at = EvalRunStatus.FINISHED, GateDecision.PASS if passed else GateDecision.FAIL, now
-        v.eval_summary = summary
+        v.eval_summary = json_safe(summary)
         v.progress_percent, v.progress_step = 100, "ready" if passed else "rejected by the quality gate"
         if passed:
             v.status, v.ready_at, v.status_reasons = READY, now, []
@@ -292,7 +311,7 @@ def _fail_run(rt: Runtime, version_id: uuid.UUID, run_id: uuid.UUID, attempt: in
         run = s.get(EvalRun, run_id, with_for_update=True)
         if run.status == EvalRunStatus.RUNNING:
             run.status, run.finished_at = EvalRunStatus.FAILED, _now()
-            run.reasons = [{"code": "eval_error", "message": message, "passed": False}]
+            run.reasons = json_safe([{"code": "eval_error", "message": message, "passed": False}])
         s.commit()
     if attempt < rt.config.max_eval_attempts:
         set_progress(rt, version_id, EVALUATING, 45, f"evaluating: retrying (attempt {attempt + 1})")
@@ -303,7 +322,8 @@ def _fail_run(rt: Runtime, version_id: uuid.UUID, run_id: uuid.UUID, attempt: in
 
 def _reject(rt: Runtime, version_id: uuid.UUID, from_: tuple[AdapterStatus, ...], reasons: list[dict[str, str]]) -> StepOutcome:
     with rt.session_factory() as s:
-        moved = move(s, version_id, from_, REJECTED, status_reasons=reasons, progress_percent=100, progress_step="rejected")
+        moved = move(s, version_id, from_, REJECTED, status_reasons=json_safe(reasons), progress_percent=100,
+                     progress_step="rejected")
         s.commit()
     return StepOutcome(version_id, str(REJECTED), "rejected" if moved else "noop")
 

@@ -1,7 +1,7 @@
 """`make up` seeds the demo kit's adapters for the demo tenant through the real pipeline (upload ->
 validation -> quality gate -> ready), each with its task's eval set. Idempotent: an adapter whose
-content was already uploaded under its name keeps that version (no duplicates); a version still waiting
-for the pipeline is enqueued again (its steps are idempotent)."""
+content was already uploaded under its name keeps that version (no duplicates); a version not yet decided
+(its task lost when the previous `make up` stopped) is enqueued again (every step is idempotent)."""
 from __future__ import annotations
 
 import time
@@ -44,8 +44,8 @@ def seed_demo_adapters(*, tenant: str = "demo", kit=None, settings=None, session
             result = upload_path(Path(demo.path), tenant=tenant, name=name, staging=staging,
                                  eval_set=Path(eval_path).read_bytes() if eval_path else None, reuse_identical=True,
                                  settings=settings, session_factory=session_factory)
-            if result.created or result.status in (AdapterStatus.UPLOADED, AdapterStatus.VALIDATING):
-                enqueue(result.version_id)
+            if result.created or not AdapterStatus(result.status).is_final:
+                enqueue(result.version_id)  # ingest is idempotent; for an `evaluating` version it re-enqueues the gate
             out.append(SeededAdapter(name, result.version_id, result.version, result.status, result.created))
     return out
 

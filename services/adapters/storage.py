@@ -2,14 +2,19 @@
 default — `file://<home>/objects` —, S3 or any fsspec URL in production: settings `storage_url`).
 
 Layout under the root:
-    adapters/<content_id>/adapter_config.json      a version's files, keyed by lora_format.content_id
-    adapters/<content_id>/adapter_model.safetensors
+    adapters/<files_sha256>/adapter_config.json      a version's two files, keyed by the sha256 of their exact
+    adapters/<files_sha256>/adapter_model.safetensors  bytes (`files_sha256`)
     uploads/<sha256>.<kind>                          an upload that could not be unpacked (kept for its rejection)
     evalsets/<sha256>.jsonl                          tenants' eval sets
 
 Objects are immutable: a key is written once (to a temporary name, then renamed where the filesystem can)
-and never overwritten with different bytes. Engines read `adapters/<content_id>/` directly (local paths) or
-copy it once into their cache (remote URLs).
+and never overwritten with different bytes. Engines read a version's prefix directly (local paths) or copy
+it once into their cache (remote URLs), and identify what they load by its content id.
+
+Why the key is not the content id: `lora_format.content_id` hashes the weights and only the config fields
+that change outputs (the engines' KV and cache identity), so two uploads may share a content id while their
+configs differ elsewhere (an `auto_map`, another `base_model_name_or_path`, other `target_modules`).
+Each upload must be validated as it was sent, so its files are stored under a key of their exact bytes.
 """
 from __future__ import annotations
 
@@ -45,6 +50,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def files_sha256(adapter_dir: Path) -> str:
+    """The object key of a version: sha256 over the exact bytes of its two files."""
+    h = hashlib.sha256(b"mplex-files-v1\0")
+    for name in ADAPTER_FILES:
+        h.update(file_sha256(Path(adapter_dir) / name).encode())
+    return h.hexdigest()
+
+
 class ObjectStore:
     def __init__(self, url: str):
         if "://" not in url:
@@ -77,14 +90,13 @@ class ObjectStore:
 
     # -- writes ----------------------------------------------------------------------------------------------
     def put_version(self, adapter_dir: Path) -> StoredObject:
-        """Store an adapter's two files under its content id. Storing the same content again is a no-op;
-        a config whose bytes differ but whose output-relevant fields (and weights) are identical keeps the
-        stored one, since both describe the same adapter."""
+        """Store an adapter's two files under the hash of their bytes; returns its content id and URI.
+        Storing the same files again is a no-op."""
         adapter_dir = Path(adapter_dir)
         cid = content_id(adapter_dir)
-        prefix = f"adapters/{cid}"
-        self._put_immutable(adapter_dir / WEIGHTS_FILE, f"{prefix}/{WEIGHTS_FILE}", must_match=True)
-        self._put_immutable(adapter_dir / CONFIG_FILE, f"{prefix}/{CONFIG_FILE}", must_match=False)
+        prefix = f"adapters/{files_sha256(adapter_dir)}"
+        for name in ADAPTER_FILES:
+            self._put_immutable(adapter_dir / name, f"{prefix}/{name}")
         size = sum(self.fs.size(self._path(f"{prefix}/{name}")) for name in ADAPTER_FILES)
         return StoredObject(cid, self.uri(prefix), int(size))
 
@@ -94,13 +106,13 @@ class ObjectStore:
             raise ValueError(f"unknown blob kind {kind!r}")
         sha = file_sha256(path)
         key = f"{kind}/{sha}{suffix}"
-        self._put_immutable(Path(path), key, must_match=True)
+        self._put_immutable(Path(path), key)
         return StoredObject(sha, self.uri(key), Path(path).stat().st_size)
 
-    def _put_immutable(self, local: Path, key: str, *, must_match: bool) -> None:
+    def _put_immutable(self, local: Path, key: str) -> None:
         target = self._path(key)
         if self.fs.exists(target):
-            if must_match and self._sha(target) != file_sha256(local):
+            if self._sha(target) != file_sha256(local):
                 raise StorageError(f"object {key} already exists with different bytes; objects are immutable")
             return
         parent = target.rsplit("/", 1)[0]

@@ -42,7 +42,7 @@ class UploadResult:
     version: int
     status: str
     content_sha256: str
-    created: bool  # False: an identical version already existed and was returned (reuse_identical)
+    created: bool  # False: a version of the same files and eval set already existed and was returned (reuse_identical)
 
     def as_response(self) -> dict:
         return {"version_id": str(self.version_id), "adapter_id": str(self.adapter_id), "version": self.version,
@@ -146,7 +146,7 @@ def upload_adapter(
     versions = list(session.scalars(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
                                     .order_by(AdapterVersion.version)))
     if reuse_identical:
-        same = [v for v in versions if v.content_sha256 == stored.sha256 and v.eval_set_uri == eval_uri]
+        same = [v for v in versions if v.storage_uri == stored.uri and v.eval_set_uri == eval_uri]
         if same:
             v = same[-1]
             return UploadResult(v.id, adapter.id, v.version, str(v.status), v.content_sha256, created=False)

@@ -137,6 +137,11 @@ def build_corpus(dims: BaseDims, *, max_rank: int = 64, tag: str | None = None) 
     add("empty_archive", "archive_empty", tar_gz([]))
     add("empty_zip", "archive_empty", zip_bytes([]), "adapter.zip")
     add("not_an_archive", "unsupported_upload", os.urandom(4096), "adapter.tar.gz")
+    # a gzip stream whose first match points before the start (zlib.error, not OSError), and a zip that asks
+    # for a newer format than Python reads (NotImplementedError): both once escaped as server errors
+    add("corrupt_deflate", "archive_unreadable", b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\x03\x02\x00" + b"\x00" * 8)
+    add("zip_unsupported_version", "archive_unreadable", _zip_version(zip_bytes([(CONFIG, json.dumps(cfg).encode()), (WEIGHTS, w)]), 201),
+        "adapter.zip")
     add("missing_weights", "missing_file", tar_gz([(reg(CONFIG), json.dumps(cfg).encode())]))
     add("two_adapters", "duplicate_file", adapter_tar(cfg, w, [(reg("other/" + WEIGHTS), w)]))
     # -- config
@@ -192,6 +197,16 @@ def build_corpus(dims: BaseDims, *, max_rank: int = 64, tag: str | None = None) 
 def _layer_tensors(dims: BaseDims, layer: int) -> dict[str, torch.Tensor]:
     return {tensor_name(layer, "q_proj", "A"): torch.zeros(4, dims.hidden_size),
             tensor_name(layer, "q_proj", "B"): torch.zeros(dims.num_heads * dims.head_dim, 4)}
+
+
+def _zip_version(data: bytes, version: int) -> bytes:
+    """The zip with every central-directory entry's 'version needed to extract' set to `version`."""
+    out = bytearray(data)
+    i = out.find(b"PK\x01\x02")
+    while i != -1:
+        out[i + 6:i + 8] = struct.pack("<H", version)
+        i = out.find(b"PK\x01\x02", i + 4)
+    return bytes(out)
 
 
 def _torch_save_bytes() -> bytes:

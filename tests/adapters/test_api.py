@@ -207,7 +207,8 @@ def test_a_tenant_upload_lands_in_the_callers_tenant_whatever_the_form_says(sign
 
 
 def test_the_cli_uploads_through_the_same_function(world, tiny_base, tiny_dims, tmp_path, db, settings):
-    """`mplex adapters upload DIR --tenant T --name N --eval-set F` (run in this process with typer's runner)."""
+    """`mplex adapters upload DIR --tenant T --eval-set F` (run in this process with typer's runner); the
+    adapter is named after the directory unless --name says otherwise."""
     from typer.testing import CliRunner
 
     from services.adapters.cli import app
@@ -222,8 +223,10 @@ def test_the_cli_uploads_through_the_same_function(world, tiny_base, tiny_dims, 
 
     get_settings.cache_clear()
     try:
-        result = CliRunner().invoke(app, ["upload", str(adapter), "--tenant", world["a"].slug, "--name", "from-cli",
+        result = CliRunner().invoke(app, ["upload", str(adapter), "--tenant", world["a"].slug,
                                           "--eval-set", str(eval_set), "--min-margin", "0.1", "--json"])
+        renamed = CliRunner().invoke(app, ["upload", str(adapter), "--tenant", world["a"].slug, "--name", "from-cli",
+                                           "--json"])
     finally:
         mp.undo()
         get_settings.cache_clear()
@@ -232,5 +235,9 @@ def test_the_cli_uploads_through_the_same_function(world, tiny_base, tiny_dims, 
     v = db.get(AdapterVersion, uuid.UUID(out["version_id"]))
     assert (v.tenant_id, v.version, v.status) == (world["a"].id, 1, AdapterStatus.UPLOADED)
     assert v.gate_config["min_margin"] == 0.1 and v.eval_set_uri is not None
+    assert db.get(Adapter, v.adapter_id).name == "cli-adapter"
+    assert renamed.exit_code == 0, renamed.output
+    again = db.get(AdapterVersion, uuid.UUID(json.loads(renamed.stdout)["version_id"]))
+    assert db.get(Adapter, again.adapter_id).name == "from-cli" and again.content_sha256 == v.content_sha256
     audit = db.scalar(select(AuditLog).where(AuditLog.target_id == out["version_id"]))
     assert audit.action == "adapter.upload" and audit.details["via"] == "cli"

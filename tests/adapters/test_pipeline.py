@@ -23,7 +23,8 @@ from services.adapters.pipeline import (
     sync_retired,
 )
 from services.adapters.base_model import ensure_base_model
-from services.adapters.storage import ObjectStore
+from services.adapters.storage import ObjectStore, files_sha256
+from services.common.lora_format import content_id
 from services.adapters.upload import pack_dir, upload_adapter
 from services.common.db import make_sessionmaker
 from services.common.models import (
@@ -104,7 +105,8 @@ def test_a_good_adapter_becomes_ready_and_active(runtime, db, tiny_adapters):
                min_fp8_agreement=0.0)
     v = version(runtime, r.version_id)
     assert (v.status, v.version, v.progress_percent) == (AdapterStatus.UPLOADED, 1, 0)
-    assert v.storage_uri == runtime.store.uri(f"adapters/{v.content_sha256}")
+    assert v.storage_uri == runtime.store.uri(f"adapters/{files_sha256(tiny_adapters['strong'])}")
+    assert v.content_sha256 == content_id(tiny_adapters["strong"])
     assert v.gate_config == {"metric": "rouge_l", "min_margin": 0.3, "min_fp8_agreement": 0.0}
 
     runtime.enqueue.ingest(r.version_id)  # validation, then (inline) the gate
@@ -154,6 +156,20 @@ def test_fp8_disagreement_alone_rejects(runtime, db, tiny_adapters):
         assert [x["code"] for x in v.status_reasons] == ["fp8_agreement_below_threshold"]
     else:
         assert v.status == AdapterStatus.READY
+
+
+def test_outputs_postgres_cannot_store_as_text_are_stored_escaped(runtime, db, tiny_adapters):
+    """JSONB refuses U+0000, which a model's output or an eval set's `expected` may hold: the verdict is still
+    recorded (once stuck as `evaluating` after a DataError), with U+FFFD in its place."""
+    tenant = make_tenant(db)
+    nul_set = eval_jsonl(PROMPTS, [f"{p}\x00tail" for p in PROMPTS])
+    r = upload(runtime, tenant, "nul", tiny_adapters["strong"], eval_set=nul_set, min_margin=-1.0, min_fp8_agreement=0.0)
+    runtime.enqueue.ingest(r.version_id)
+    v = version(runtime, r.version_id)
+    assert v.status == AdapterStatus.READY, v.status_reasons
+    (run,) = runs(runtime, r.version_id)
+    assert run.status == EvalRunStatus.FINISHED and run.examples[0]["expected"] == f"{PROMPTS[0]}\ufffdtail"
+    assert v.eval_summary["examples"][0]["expected"] == f"{PROMPTS[0]}\ufffdtail"
 
 
 def test_every_step_is_idempotent(runtime, db, tiny_adapters):

@@ -1,5 +1,5 @@
-"""The content-addressed object store: keys by content id, immutable objects, fetch round trips, and the
-engine's loader reading a stored version straight from its URI."""
+"""The content-addressed object store: versions keyed by their files' bytes and identified by content id,
+immutable objects, fetch round trips, and the engine's loader reading a stored version straight from its URI."""
 from __future__ import annotations
 
 import json
@@ -7,20 +7,21 @@ import json
 import pytest
 import torch
 
-from services.adapters.storage import ObjectStore, StorageError, file_sha256
+from services.adapters.storage import ObjectStore, StorageError, file_sha256, files_sha256
 from services.common.lora_format import content_id
 from tests.adapters.tinymodel import write_adapter
 
 
-def test_versions_are_keyed_by_content_id_and_stored_once(tmp_path, tiny_dims):
+def test_versions_are_keyed_by_their_bytes_and_stored_once(tmp_path, tiny_dims):
     store = ObjectStore(f"file://{tmp_path / 'objects'}")
     adapter = write_adapter(tmp_path / "a", tiny_dims, rank=4)
     stored = store.put_version(adapter)
-    assert stored.sha256 == content_id(adapter)
-    assert stored.uri == f"file://{tmp_path / 'objects'}/adapters/{stored.sha256}"
+    key = files_sha256(adapter)
+    assert stored.sha256 == content_id(adapter) != key
+    assert stored.uri == f"file://{tmp_path / 'objects'}/adapters/{key}"
     assert stored.size_bytes == sum(p.stat().st_size for p in adapter.iterdir())
     # Same content again: same object, nothing rewritten.
-    weights = tmp_path / "objects" / "adapters" / stored.sha256 / "adapter_model.safetensors"
+    weights = tmp_path / "objects" / "adapters" / key / "adapter_model.safetensors"
     mtime = weights.stat().st_mtime_ns
     assert store.put_version(adapter) == stored
     assert weights.stat().st_mtime_ns == mtime
@@ -28,7 +29,20 @@ def test_versions_are_keyed_by_content_id_and_stored_once(tmp_path, tiny_dims):
     out = store.fetch(stored.uri, tmp_path / "fetched")
     assert content_id(out) == stored.sha256
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert not list((tmp_path / "objects" / "adapters" / stored.sha256).glob(".tmp-*"))
+    assert not list((tmp_path / "objects" / "adapters" / key).glob(".tmp-*"))
+
+
+def test_configs_that_share_a_content_id_are_stored_apart(tmp_path, tiny_dims):
+    """Same weights and output-relevant fields, another config otherwise (a foreign auto_mapping): one content id
+    (engines may share its KV) but two objects, so each upload is validated as it was sent — whichever came
+    first, a clean upload never inherits a hostile config, nor a hostile one a clean config."""
+    store = ObjectStore(str(tmp_path / "objects"))
+    hostile = write_adapter(tmp_path / "hostile", tiny_dims, rank=4, seed=3, config={"auto_mapping": {"base_model_class": "Evil", "parent_library": "os"}})
+    clean = write_adapter(tmp_path / "clean", tiny_dims, rank=4, seed=3)
+    a, b = store.put_version(hostile), store.put_version(clean)
+    assert a.sha256 == b.sha256 and a.uri != b.uri
+    assert "auto_mapping" in json.loads(store.read_bytes(a.uri + "/adapter_config.json", max_bytes=1 << 20))
+    assert "auto_mapping" not in json.loads(store.read_bytes(b.uri + "/adapter_config.json", max_bytes=1 << 20))
 
 
 def test_a_different_alpha_is_a_different_object(tmp_path, tiny_dims):

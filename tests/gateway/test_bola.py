@@ -60,7 +60,7 @@ ENDPOINTS = [
     # tenant usage (billing, api/tenant_usage.py) and uploads (adapters)
     Endpoint("GET", "/api/tenant/usage", TENANT, required=False),
     Endpoint("GET", "/api/tenant/spend", TENANT, required=False),
-    Endpoint("POST", "/api/tenant/adapters", TENANT_ADMIN, required=False),
+    Endpoint("POST", "/api/tenant/adapters", TENANT_ADMIN),
     # platform admin (api/admin.py): any tenant's ids, platform_admin only
     Endpoint("GET", "/api/admin/tenants", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
@@ -74,7 +74,7 @@ ENDPOINTS = [
     Endpoint("POST", "/api/admin/adapters/{id}/rollback", PLATFORM, "adapter", False, {"version": 1}),
     Endpoint("DELETE", "/api/admin/adapters/{id}", PLATFORM, "adapter", False),
     Endpoint("GET", "/api/admin/engines", PLATFORM, tenant_scoped=False),
-    Endpoint("POST", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False, required=False),
+    Endpoint("POST", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False),
     # finance (another engineer's): role checks only
     Endpoint("GET", "/api/finance/report", FINANCE, tenant_scoped=False, required=False),
     Endpoint("GET", "/api/finance/report.csv", FINANCE, tenant_scoped=False, required=False),
@@ -245,3 +245,38 @@ def test_tenant_listings_do_show_the_callers_own_objects(browser, world):
     adapters = api.get("/api/tenant/adapters").text
     assert world.a.adapter.name in adapters and str(world.a.v2.id) in adapters
     assert api.get(f"/api/tenant/adapter-versions/{world.a.v1.id}").status_code == 200
+
+
+def _upload_parts(tmp_path) -> list:
+    from services.common.lora_format import BaseDims
+    from tests.adapters.tinymodel import write_adapter
+
+    d = write_adapter(tmp_path / "bola-adapter", BaseDims(64, 128, 2, 4, 2, 16), rank=4)
+    return [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in sorted(d.iterdir())]
+
+
+def test_uploads_land_in_the_callers_tenant_only(db_engine, browser, world, tmp_path):
+    """The allowed writes the matrix skips, for uploads: a tenant admin's upload lands in their own tenant
+    whatever the request names (tenant B in the query string), and changes nothing of B; B's version of it
+    is invisible to A. (This gateway's base-model directory has no model dimensions, as a gateway in front
+    of remote engines may: the upload must not need them — it once answered 500 KeyError.)"""
+    from sqlalchemy import select
+
+    before_b = _state(db_engine, world.b)
+    a_admin = browser(world.a.admin.email)
+    r = a_admin.request("POST", "/api/tenant/adapters", params={"tenant_id": str(world.b.tenant.id)},
+                        data={"name": "bola-upload"}, files=_upload_parts(tmp_path))
+    assert r.status_code == 202, r.text
+    with Session(db_engine) as s:
+        v = s.get(AdapterVersion, uuid.UUID(r.json()["version_id"]))
+        assert v.tenant_id == world.a.tenant.id
+        assert s.scalar(select(Adapter.tenant_id).where(Adapter.id == v.adapter_id)) == world.a.tenant.id
+    assert _state(db_engine, world.b) == before_b
+    # A platform admin uploads for B; A's admin cannot read that version, nor see it listed.
+    r = browser(world.platform_admin.email).request("POST", f"/api/admin/tenants/{world.b.tenant.id}/adapters",
+                                                      data={"name": "bola-for-b"}, files=_upload_parts(tmp_path))
+    assert r.status_code == 202, r.text
+    b_version = r.json()["version_id"]
+    assert a_admin.get(f"/api/tenant/adapter-versions/{b_version}").status_code == 404
+    assert b_version not in a_admin.get("/api/tenant/adapters").text
+    assert browser(world.b.admin.email).get(f"/api/tenant/adapter-versions/{b_version}").status_code == 200
