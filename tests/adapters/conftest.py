@@ -27,7 +27,9 @@ def tiny_model_info(tiny_base, tiny_dims) -> BaseModel:
 
 
 @pytest.fixture(scope="session")
-def demo_kit():
+def demo_kit(mplex_home):
+    """The trained demo kit from the developer's cache (explicitly: the `settings` fixture points MPLEX_HOME
+    at a scratch home, where ensure_demo would build it all over again)."""
     from services.modelkit import ensure_demo
 
-    return ensure_demo(progress=False)
+    return ensure_demo(mplex_home, progress=False)

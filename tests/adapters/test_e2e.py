@@ -1,17 +1,21 @@
 """The adapter lifecycle end to end on real processes — an engine, the gateway and a Celery worker (`mplex ...`
-subprocesses on the test Postgres and Redis), with the tiny random base model:
+subprocesses on the test Postgres and Redis) serving the trained demo kit:
 
-- an adapter that wins its eval set goes uploaded -> ready and is served by name through the gateway (OpenAI
-  SDK), token for token what the engine itself answers;
+- the demo adapters, seeded through the pipeline as `make up` does, go uploaded -> ready and are served by name
+  through the gateway (OpenAI SDK), token for token what the engine itself answers with the kit's files;
+- an untrained (random) adapter is rejected by the quality gate, with reasons and the per-example outputs;
 - the malicious corpus is refused case by case with its code; the worker never crashes; nothing is written
   outside the sandbox;
 - a new version of a name never serves the old version's KV; rollback serves the old one again; deleting the
   adapter makes the engine unload it;
 - the worker process running the gate is SIGKILLed: the task is redelivered and the version ends in one
   final state with one eval run.
+
+One stack for the module (starting it is most of the cost); tests share it and use their own names.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -27,30 +31,32 @@ from openai import OpenAI
 from sqlalchemy import func, select
 
 from services.common.db import make_sessionmaker
-from services.common.models import Adapter, AdapterStatus, AdapterVersion, EvalRun, EvalRunStatus, Role
+from services.common.lora_format import read_config
+from services.common.models import Adapter, AdapterVersion, EvalRun, EvalRunStatus, Role
 from tests.adapters.corpus import build_corpus
-from tests.adapters.helpers import eval_jsonl, greedy_texts, wait_final
-from tests.adapters.tinymodel import WORDS, write_adapter
+from tests.adapters.helpers import wait_final
+from tests.adapters.tinymodel import dims_of
 from tests.factories import DEFAULT_PASSWORD, make_api_key, make_tenant, make_user
 from tests.gateway.mgmt_harness import Api
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-llama"
-PROMPTS = [" ".join(WORDS[i:i + 3]) for i in range(0, 24, 3)]
-GATE_ENV = {"MPLEX_ADAPTERS_MAX_EXAMPLES": "8", "MPLEX_ADAPTERS_MAX_NEW_TOKENS": "8", "MPLEX_ADAPTERS_LATENCY_SAMPLES": "1"}
+# The SIGKILL test needs a gate that runs for seconds: it brings a big eval set, which this cap lets through.
+# (The demo eval sets have 40 items, under the default cap of 64, so nothing else changes.)
+WORKER_ENV = {"MPLEX_ADAPTERS_MAX_EXAMPLES": "2000"}
 
 
 @pytest.fixture(scope="module")
-def stack(stack_env, tiny_base, tmp_path_factory, service_urls):
+def stack(stack_env, demo_kit, tmp_path_factory, service_urls):
     _purge_adapter_queues(service_urls.broker_url)
-    env = {"MPLEX_BASE_MODEL_DIR": str(tiny_base), "MPLEX_BASE_MODEL_NAME": MODEL, **GATE_ENV}
+    env = {"MPLEX_BASE_MODEL_DIR": str(demo_kit.base_dir), "MPLEX_BASE_MODEL_NAME": demo_kit.model_name}
     s = Stack({**stack_env, **env}, tmp_path_factory.mktemp("adapter-stack-logs"))
     try:
-        s.engine_proc = s.engine(tiny_base, MODEL, f"adapters-eng-{os.getpid()}", kv_mb=32, max_loras=4)
-        s.gw = s.gateway(tiny_base, MODEL)
-        s.worker_proc = s.worker("adapters.ingest,adapters.eval")
+        s.engine_proc = s.engine(demo_kit.base_dir, demo_kit.model_name, f"adapters-eng-{os.getpid()}", kv_mb=64,
+                                 max_loras=4)
+        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name)
+        s.worker_proc = s.worker("adapters.ingest,adapters.eval", env=WORKER_ENV)
         yield s
     finally:
         s.close()
@@ -70,13 +76,19 @@ def people(db_engine):
     with Session(db_engine, expire_on_commit=False) as db:
         tenant = make_tenant(db, limits={"tokens_per_min": 1_000_000})
         return {"tenant": tenant, "admin": make_user(db, role=Role.PLATFORM_ADMIN),
+                "tenant_admin": make_user(db, tenant=tenant, role=Role.TENANT_ADMIN),
                 "key": make_api_key(db, tenant=tenant).secret}
+
+
+def signed_in(stack: Stack, user) -> Api:
+    api = Api(stack.gw.url)
+    assert api.login(user.email, DEFAULT_PASSWORD).status_code == 200
+    return api
 
 
 @pytest.fixture
 def admin(stack, people):
-    api = Api(stack.gw.url)
-    assert api.login(people["admin"].email, DEFAULT_PASSWORD).status_code == 200
+    api = signed_in(stack, people["admin"])
     yield api
     api.close()
 
@@ -84,6 +96,11 @@ def admin(stack, people):
 @pytest.fixture(scope="module")
 def factory(db_engine):
     return make_sessionmaker(db_engine)
+
+
+@pytest.fixture(scope="module")
+def client(stack, people) -> OpenAI:
+    return OpenAI(base_url=f"{stack.gw.url}/v1", api_key=people["key"], max_retries=0)
 
 
 def upload_dir(api: Api, tenant_id, name: str, adapter_dir: Path, eval_set: bytes | None = None, **form) -> dict:
@@ -96,51 +113,18 @@ def upload_dir(api: Api, tenant_id, name: str, adapter_dir: Path, eval_set: byte
     return r.json()
 
 
+def eval_prompts(demo, n: int) -> list[str]:
+    return [json.loads(line)["prompt"] for line in Path(demo.eval_path).read_text().splitlines()[:n]]
+
+
 def engine_metric(stack: Stack, name: str) -> float:
     text = httpx.get(f"{stack.engine_proc.url}/metrics", timeout=10).text
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def chat(client: OpenAI, model: str, prompt: str):
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=8,
-                                          temperature=0)
-
-
-@pytest.fixture(scope="module")
-def winner(tiny_base, tiny_dims, tmp_path_factory):
-    d = write_adapter(tmp_path_factory.mktemp("e2e") / "winner", tiny_dims, rank=8,
-                      targets=("q_proj", "k_proj", "v_proj", "o_proj"), b_std=0.4, seed=11)
-    return d, eval_jsonl(PROMPTS, greedy_texts(tiny_base, PROMPTS, adapter_dir=d))
-
-
-def test_an_adapter_goes_ready_and_is_served_by_name_exactly_as_the_engine_serves_it(stack, admin, people, factory, winner):
-    adapter_dir, eval_set = winner
-    up = upload_dir(admin, people["tenant"].id, "e2e-winner", adapter_dir, eval_set, min_margin=0.3, min_fp8_agreement=0.0)
-    seen = set()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # the progress the UI polls
-        v = admin.get(f"/api/admin/adapter-versions/{up['version_id']}").json()
-        seen.add(v["status"])
-        if v["status"] in ("ready", "rejected"):
-            break
-        time.sleep(0.2)
-    assert v["status"] == "ready", v
-    assert seen <= {"uploaded", "validating", "evaluating", "ready"}
-    assert v["progress"] == {"percent": 100, "step": "ready"} and v["eval"]["passed"] is True
-    assert v["rank"] == 8 and v["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-    client = OpenAI(base_url=f"{stack.gw.url}/v1", api_key=people["key"], max_retries=0)
-    assert "e2e-winner" in [m.id for m in client.models.list().data]
-    via_gateway = [chat(client, "e2e-winner", p).choices[0].message.content for p in PROMPTS[:4]]
-    # The engine's own answer for the same adapter files, loaded directly from the object store.
-    r = httpx.post(f"{stack.engine_proc.url}/internal/v1/adapters", timeout=60,
-                   json={"name": "direct-winner", "path": _version(factory, up["version_id"]).storage_uri,
-                         "content_id": v["content_sha256"]})
-    assert r.status_code == 200, r.text
-    direct = OpenAI(base_url=f"{stack.engine_proc.url}/v1", api_key="unused", max_retries=0)
-    assert via_gateway == [chat(direct, "direct-winner", p).choices[0].message.content for p in PROMPTS[:4]]
-    # ... and not what the base model says.
-    assert via_gateway != [chat(client, MODEL, p).choices[0].message.content for p in PROMPTS[:4]]
+def chat(client: OpenAI, model: str, prompt: str, max_tokens: int = 24):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=max_tokens, temperature=0)
 
 
 def _version(factory, version_id) -> AdapterVersion:
@@ -148,8 +132,94 @@ def _version(factory, version_id) -> AdapterVersion:
         return s.get(AdapterVersion, uuid.UUID(str(version_id)))
 
 
-def test_the_malicious_corpus_is_refused_by_the_worker_code_by_code(stack, admin, people, factory, tiny_dims, stack_env):
-    cases, targets = build_corpus(tiny_dims)
+def _until(predicate, timeout: float = 30, interval: float = 0.3) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def test_the_demo_adapters_go_ready_and_are_served_by_name_exactly_as_the_engine_serves_them(
+        stack, admin, people, factory, client, demo_kit, settings):
+    from services.adapters.seed import seed_demo_adapters
+    from services.adapters.tasks import enqueue_ingest
+
+    # What `make up` does: every demo adapter uploaded with its task's eval set, the pipeline left to the worker.
+    stack_settings = settings.model_copy(update={"base_model_dir": Path(demo_kit.base_dir),
+                                                 "base_model_name": demo_kit.model_name})
+    seeded = {a.name: a for a in seed_demo_adapters(tenant=people["tenant"].slug, kit=demo_kit, settings=stack_settings,
+                                                    session_factory=factory, enqueue=enqueue_ingest)}
+    assert set(seeded) == set(demo_kit.adapters) and all(a.created and a.version == 1 for a in seeded.values())
+    seen: set[str] = set()
+    watched = seeded["reverse"].version_id
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # the progress bar's poll
+        v = admin.get(f"/api/admin/adapter-versions/{watched}").json()
+        seen.add(v["status"])
+        if v["status"] in ("ready", "rejected"):
+            break
+        time.sleep(0.1)
+    assert v["status"] == "ready", v
+    assert seen <= {"uploaded", "validating", "evaluating", "ready"} and v["progress"] == {"percent": 100, "step": "ready"}
+    for name, a in seeded.items():
+        assert wait_final(factory, a.version_id) == "ready", (name, _version(factory, a.version_id).status_reasons)
+    tenant_admin = signed_in(stack, people["tenant_admin"])
+    for name, demo in demo_kit.adapters.items():
+        v = tenant_admin.get(f"/api/tenant/adapter-versions/{seeded[name].version_id}").json()
+        assert v["rank"] == read_config(demo.path).max_rank and v["eval"]["passed"] is True  # with rank_pattern
+        m = v["eval"]["metrics"]
+        assert m["adapter"]["rouge_l"] - m["base"]["rouge_l"] >= v["eval"]["thresholds"]["min_margin"]
+        assert m["served_weight_dtype"] == "fp8" and m["fp8_token_agreement"] >= v["eval"]["thresholds"]["min_fp8_agreement"]
+        assert m["n_examples"] == 40 and len(v["eval"]["examples"]) == 20  # the summary keeps the first 20
+    tenant_admin.close()
+    # Seeding again (a second `make up`) changes nothing: same versions, nothing enqueued.
+    again = seed_demo_adapters(tenant=people["tenant"].slug, kit=demo_kit, settings=stack_settings,
+                               session_factory=factory, enqueue=lambda vid: pytest.fail("re-enqueued a decided version"))
+    assert {a.name: (a.version_id, a.created) for a in again} == {n: (a.version_id, False) for n, a in seeded.items()}
+
+    assert set(demo_kit.adapters) <= {m.id for m in client.models.list().data}
+    direct = OpenAI(base_url=f"{stack.engine_proc.url}/v1", api_key="unused", max_retries=0)
+    for name in ("reverse", "uppercase"):
+        demo = demo_kit.adapters[name]
+        prompts = eval_prompts(demo, 3)
+        via_gateway = [chat(client, name, p).choices[0].message.content for p in prompts]
+        # The engine's own answer with the kit's files, loaded straight into it (no gateway, no pipeline).
+        r = httpx.post(f"{stack.engine_proc.url}/internal/v1/adapters", timeout=60,
+                       json={"name": f"direct-{name}", "path": str(demo.path)})
+        assert r.status_code == 200, r.text
+        assert r.json()["content_id"] == _version(factory, seeded[name].version_id).content_sha256
+        assert via_gateway == [chat(direct, f"direct-{name}", p).choices[0].message.content for p in prompts]
+        assert via_gateway != [chat(client, demo_kit.model_name, p).choices[0].message.content for p in prompts]
+
+
+def test_an_untrained_random_adapter_is_rejected_by_the_gate_with_reasons(stack, admin, people, factory, demo_kit,
+                                                                          tmp_path):
+    from services.modelkit import make_random_adapter
+
+    demo = demo_kit.adapters["reverse"]
+    random_dir = make_random_adapter(demo_kit.base_dir, tmp_path / "untrained", rank=16, seed=1234,
+                                     target_modules=demo.target_modules)
+    up = upload_dir(admin, people["tenant"].id, "untrained", random_dir, Path(demo.eval_path).read_bytes())
+    assert wait_final(factory, up["version_id"]) == "rejected"
+    tenant_admin = signed_in(stack, people["tenant_admin"])
+    v = tenant_admin.get(f"/api/tenant/adapter-versions/{up['version_id']}").json()
+    tenant_admin.close()
+    assert [r["code"] for r in v["reasons"]] == ["margin_below_threshold"]
+    assert "must beat the base" in v["reasons"][0]["message"]
+    m = v["eval"]["metrics"]
+    assert v["eval"]["passed"] is False and m["adapter"]["rouge_l"] < m["base"]["rouge_l"] + 0.05
+    ex = v["eval"]["examples"][0]
+    assert set(ex) >= {"prompt", "expected", "adapter", "base", "full_precision"}
+    with factory() as s:
+        (run,) = s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == uuid.UUID(up["version_id"]))).all()
+        assert run.status == EvalRunStatus.FINISHED and len(run.examples) == 40
+        assert s.get(Adapter, uuid.UUID(up["adapter_id"])).active_version_id is None  # never routable
+
+
+def test_the_malicious_corpus_is_refused_by_the_worker_code_by_code(stack, admin, people, factory, demo_kit, stack_env):
+    cases, targets = build_corpus(dims_of(demo_kit.base_dir))
     home = Path(stack_env["MPLEX_HOME"])
     before = _tree(home, exclude=("objects", "logs", "spool"))
     failures_before = _worker_failures(stack)
@@ -197,16 +267,16 @@ def _worker_failures(stack: Stack) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r'^mplex_worker_tasks_total\{[^}]*state="failure"[^}]*\} (\S+)$', text, re.M))
 
 
-def test_a_new_version_never_serves_the_old_versions_kv_and_rollback_works(stack, admin, people, factory, tiny_base,
-                                                                          tiny_dims, tmp_path):
-    client = OpenAI(base_url=f"{stack.gw.url}/v1", api_key=people["key"], max_retries=0)
-    prompt = "apple banana cat dog sun moon tree river house book car bird fish star cloud rain snow stone music"
-    probe = "red green blue boat train road"  # tells which version the name routes to, without touching `prompt`'s KV
+def test_a_new_version_never_serves_the_old_versions_kv_and_rollback_works(stack, admin, people, factory, client,
+                                                                          demo_kit):
+    """v1 of `kv-adapter` is the reverse adapter, v2 the uppercase one (each with its task's eval set)."""
+    words = "apple river stone garden lamp tiger shoe clock bread flower ocean city house fish"
+    prompt = f"Reverse the words: {words} {uuid.uuid4().hex[:6]}"  # long enough for full KV blocks, unique to this run
+    probe = "Reverse the words: cat dog"  # tells which version the name routes to, without touching `prompt`'s KV
     outputs = {}
-    for n, seed in ((1, 21), (2, 22)):
-        d = write_adapter(tmp_path / f"kv{n}", tiny_dims, rank=4, targets=("q_proj", "v_proj"), b_std=0.5, seed=seed)
-        up = upload_dir(admin, people["tenant"].id, "kv-adapter", d, eval_jsonl(PROMPTS, greedy_texts(tiny_base, PROMPTS, adapter_dir=d)),
-                        min_margin=-1.0, min_fp8_agreement=0.0)
+    for n, task in ((1, "reverse"), (2, "uppercase")):
+        demo = demo_kit.adapters[task]
+        up = upload_dir(admin, people["tenant"].id, "kv-adapter", Path(demo.path), Path(demo.eval_path).read_bytes())
         assert up["version"] == n and wait_final(factory, up["version_id"]) == "ready"
         pinned = chat(client, f"kv-adapter@{n}", probe).choices[0].message.content
         if n == 2:
@@ -226,9 +296,11 @@ def test_a_new_version_never_serves_the_old_versions_kv_and_rollback_works(stack
     assert outputs[1] != outputs[2]
     # Rollback to v1: the name serves v1 again (and its still-cached KV is its own).
     with factory() as s:
-        adapter_id = s.scalar(select(Adapter.id).where(Adapter.tenant_id == people["tenant"].id, Adapter.name == "kv-adapter"))
+        adapter_id = s.scalar(select(Adapter.id).where(Adapter.tenant_id == people["tenant"].id, Adapter.name == "kv-adapter",
+                                                       Adapter.deleted_at.is_(None)))
     r = admin.post(f"/api/admin/adapters/{adapter_id}/rollback", json={"version": 1})
     assert r.status_code == 200 and r.json()["active_version"] == 1
+    _until(lambda: _content(client, "kv-adapter", probe) == chat(client, "kv-adapter@1", probe).choices[0].message.content)
     back = chat(client, "kv-adapter", prompt)
     assert back.choices[0].message.content == outputs[1]
     assert back.usage.prompt_tokens_details.cached_tokens > 0  # v1's own blocks, cached under v1's content id
@@ -242,46 +314,32 @@ def _content(client: OpenAI, model: str, prompt: str) -> str | None:
         return None
 
 
-def _until(predicate, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError("condition not met in time")
-
-
-def test_deleting_an_adapter_makes_the_engine_unload_it(stack, admin, people, factory, tiny_base, tiny_dims, tmp_path,
-                                                       service_urls):
+def test_deleting_an_adapter_makes_the_engine_unload_it(stack, admin, people, factory, client, demo_kit, service_urls):
     from services.adapters.pipeline import RETIRED_KEY, sync_retired
 
-    d = write_adapter(tmp_path / "doomed", tiny_dims, rank=4, b_std=0.5, seed=int(time.time()) % 1000 + 100)
-    up = upload_dir(admin, people["tenant"].id, "doomed", d, eval_jsonl(PROMPTS, greedy_texts(tiny_base, PROMPTS, adapter_dir=d)),
-                    min_margin=-1.0, min_fp8_agreement=0.0)
+    demo = demo_kit.adapters["opposites"]
+    up = upload_dir(admin, people["tenant"].id, "doomed", Path(demo.path), Path(demo.eval_path).read_bytes())
     assert wait_final(factory, up["version_id"]) == "ready"
-    client = OpenAI(base_url=f"{stack.gw.url}/v1", api_key=people["key"], max_retries=0)
-    _until(lambda: _ok(lambda: chat(client, "doomed", "apple")))
+    _until(lambda: _content(client, "doomed", "Opposites: hot") is not None)
     sha = _version(factory, up["version_id"]).content_sha256
     reg = redis.Redis.from_url(service_urls.redis_url)
-    assert sha in _resident(reg, stack)
-    assert admin.delete(f"/api/admin/adapters/{up['adapter_id']}").status_code == 204
+    _until(lambda: sha in _resident(reg, stack), timeout=10)  # the engine's next heartbeat reports it
+    # Another tenant's name for the same files would keep it loaded; this tenant's other names with these
+    # files (the seeded `opposites`) are deleted too, so nothing routes to this content any more.
+    with factory() as s:
+        same = s.scalars(select(Adapter.id).join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+                         .where(AdapterVersion.content_sha256 == sha, Adapter.tenant_id == people["tenant"].id,
+                                Adapter.deleted_at.is_(None)).distinct()).all()
+    for adapter_id in same:
+        assert admin.delete(f"/api/admin/adapters/{adapter_id}").status_code == 204
+    _until(lambda: _content(client, "doomed", "Opposites: hot") is None, timeout=10)  # no longer routable
     with factory() as s:  # what beat runs every few seconds (adapters.ingest.sync_retired)
         sync_retired(s, reg, window_s=3600)
     assert reg.sismember(RETIRED_KEY, sha)
     _until(lambda: sha not in _resident(reg, stack), timeout=20)  # the engine's heartbeat unloaded it
 
 
-def _ok(fn) -> bool:
-    try:
-        fn()
-        return True
-    except Exception:
-        return False
-
-
 def _resident(reg: redis.Redis, stack: Stack) -> set[str]:
-    import json
-
     for key in reg.scan_iter("mplex:engine:*"):
         raw = reg.get(key)
         if raw:
@@ -291,27 +349,32 @@ def _resident(reg: redis.Redis, stack: Stack) -> set[str]:
     return set()
 
 
-def test_a_worker_killed_mid_gate_redelivers_and_decides_once(stack, admin, people, factory, tiny_base, tiny_dims, tmp_path):
-    d = write_adapter(tmp_path / "killed", tiny_dims, rank=8, b_std=0.4, seed=31)
-    up = upload_dir(admin, people["tenant"].id, "sigkill", d, eval_jsonl(PROMPTS, ["x"] * len(PROMPTS)),
-                    min_margin=-1.0, min_fp8_agreement=0.0)
+def test_a_worker_killed_mid_gate_redelivers_and_decides_once(stack, admin, people, factory, demo_kit):
+    demo = demo_kit.adapters["sort"]
+    items = Path(demo.eval_path).read_text().splitlines()
+    big_eval = ("\n".join(items * (2000 // len(items))) + "\n").encode()  # a gate of seconds, not a fraction of one
+    up = upload_dir(admin, people["tenant"].id, "sigkill", Path(demo.path), big_eval)
     vid = uuid.UUID(up["version_id"])
     # Wait until the gate is running (its attempt's run row exists and is `running`), then SIGKILL the pool
     # processes: the one running the gate dies mid-task.
-    _until(lambda: _running_runs(factory, vid) == 1, timeout=120)
+    _until(lambda: _running_runs(factory, vid) == 1, timeout=120, interval=0.05)
     parent = psutil.Process(stack.worker_proc.popen.pid)
     children = parent.children(recursive=True)
     assert children, "the worker has no pool processes"
     for child in children:
         child.send_signal(signal.SIGKILL)
+    assert str(_version(factory, vid).status) == "evaluating"  # killed before it could decide
     status = wait_final(factory, vid, timeout=600)
-    assert status in ("ready", "rejected")
+    assert status == "ready"
     with factory() as s:
         run_rows = s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == vid)).all()
         assert len(run_rows) == 1 and run_rows[0].status == EvalRunStatus.FINISHED and run_rows[0].attempt == 1
         assert s.get(AdapterVersion, vid).eval_summary["eval_run_id"] == str(run_rows[0].id)
-    assert "WorkerLostError" in stack.worker_proc.tail(10**7) or "SIGKILL" in stack.worker_proc.tail(10**7)
+        assert run_rows[0].metrics["n_examples"] == 2000
+    log = stack.worker_proc.tail(10**7)
+    assert "WorkerLostError" in log or "SIGKILL" in log
     assert stack.worker_proc.popen.poll() is None  # the worker itself lives on with new pool processes
+    assert httpx.get(stack.worker_proc.url + "/ready", timeout=10).status_code == 200
 
 
 def _running_runs(factory, vid) -> int:
