@@ -5,7 +5,7 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["engine", "gateway", "billing"]
+BENCHMARKS = ["engine", "gateway", "billing", "adapters"]
 
 
 def main(argv: list[str]) -> int:
