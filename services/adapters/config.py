@@ -75,6 +75,7 @@ class PipelineConfig:
     compute_dtype: str = "float32"
     max_lora_rank: int = 64  # the engines' LoraConfig.max_lora_rank (a base model row may lower it)
     max_eval_attempts: int = 3  # a gate run that breaks (not the adapter) is retried as a new attempt
+    max_deliveries: int = 3  # a task whose worker process died this often (OOM, a crash) refuses its version
     stalled_after_s: float = 900.0  # a version with no progress this long is re-enqueued by the sweeper
     retired_window_s: float = 86_400.0  # how long a deleted adapter's content id stays in the retired set
     accepted_base_names: tuple[str, ...] = ()  # extra base_model_name_or_path values accepted as ours
@@ -86,8 +87,8 @@ class PipelineConfig:
             raise ValueError("compute_dtype must be float32, bfloat16 or float16")
         if not 0 < self.max_lora_rank <= 512:
             raise ValueError("max_lora_rank must be in 1..512")
-        if self.max_eval_set_bytes <= 0 or self.max_eval_items <= 0 or self.max_eval_attempts < 1:
-            raise ValueError("eval-set caps must be > 0 and max_eval_attempts >= 1")
+        if self.max_eval_set_bytes <= 0 or self.max_eval_items <= 0 or self.max_eval_attempts < 1 or self.max_deliveries < 1:
+            raise ValueError("eval-set caps must be > 0, max_eval_attempts and max_deliveries >= 1")
         if self.stalled_after_s <= 0 or self.retired_window_s <= 0:
             raise ValueError("stalled_after_s and retired_window_s must be > 0")
 

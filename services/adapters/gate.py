@@ -133,12 +133,14 @@ class GateRunner:
             return self.builder.chat_ids(item.chat())
         return self.builder.text_ids("\n".join(c for _, c in item.messages))
 
-    def run(self, adapter_dir: Path, content_id: str, items: list[EvalItem], thresholds: Thresholds, *,
+    def run(self, adapter_uri: str | Path, content_id: str, items: list[EvalItem], thresholds: Thresholds, *,
             max_new_tokens: int, latency_samples: int = 3, progress: Progress | None = None) -> GateResult:
+        """Score the adapter at `adapter_uri` (a directory, or an object-store URI the engine fetches as it
+        would when serving) on `items`; the engine checks the files hash to `content_id`."""
         from services.engine.sequence import AdapterRef
 
         progress = progress or (lambda f, s: None)
-        ref = AdapterRef(content_id, f"candidate-{content_id[:12]}", str(adapter_dir))
+        ref = AdapterRef(content_id, f"candidate-{content_id[:12]}", str(adapter_uri))
         served = self._engine(self.serve_weight_dtype)
         full = self._engine("auto") if self.serve_weight_dtype != "auto" else served
         prompts = [self.prompt_ids(item) for item in items]

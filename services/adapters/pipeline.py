@@ -342,6 +342,37 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, _transient_errors())
 
 
+# -- poison pills ----------------------------------------------------------------------------------------------
+DELIVERIES_KEY = "mplex:adapters:deliveries:{}"  # per message: a redelivered message keeps its task id
+
+
+def count_delivery(rt: Runtime, delivery_id: str | None) -> int:
+    """How many times this task message has started (acks_late redelivers it when its worker process dies)."""
+    if rt.redis is None or not delivery_id:
+        return 1
+    key = DELIVERIES_KEY.format(delivery_id)
+    with rt.redis.pipeline(transaction=True) as pipe:
+        pipe.incr(key)
+        pipe.expire(key, 7 * 86_400)
+        n, _ = pipe.execute()
+    return int(n)
+
+
+def abandon(rt: Runtime, version_id: uuid.UUID, deliveries: int) -> StepOutcome:
+    """A version whose task killed its worker process `deliveries` times (out of memory, a crash in native
+    code) is refused instead of being redelivered forever; a platform admin may override it."""
+    message = (f"processing this adapter stopped the worker {deliveries - 1} times (out of memory or a crash); "
+               f"it is refused to protect the other uploads")
+    with rt.session_factory() as s:
+        for run in s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == version_id,
+                                                   EvalRun.status == EvalRunStatus.RUNNING).with_for_update()):
+            run.status, run.finished_at = EvalRunStatus.FAILED, _now()
+            run.reasons = [{"code": "worker_lost", "message": message, "passed": False}]
+        s.commit()
+    log.error("version %s: %s", version_id, message)
+    return _reject(rt, version_id, (UPLOADED, VALIDATING, EVALUATING), [{"code": "worker_lost", "message": message}])
+
+
 # -- promotion and retirement -------------------------------------------------------------------------------------
 def promote(session: Session, adapter_id: uuid.UUID) -> uuid.UUID | None:
     """Point a live adapter at its newest ready version (called as a version becomes ready)."""

@@ -1,14 +1,25 @@
 """The adapter pipeline's Celery tasks: thin wrappers over services.adapters.pipeline (idempotent; safe to
 run twice). Queues follow the names: `adapters.ingest.*` validate, `adapters.eval.*` run the quality gate.
 The shared app (services.common.celery_app) gives them acks_late, reject-on-worker-lost and bounded
-retries with backoff on transient infrastructure errors."""
+retries with backoff on transient infrastructure errors; a message whose worker process keeps dying is
+bounded here (`max_deliveries`), so one poisonous upload cannot occupy the workers forever."""
 from __future__ import annotations
 
 import logging
 import uuid
 from functools import lru_cache
 
-from services.adapters.pipeline import Runtime, build_runtime, evaluate_version, ingest_version, sweep_stalled, sync_retired
+from services.adapters.pipeline import (
+    Runtime,
+    StepOutcome,
+    abandon,
+    build_runtime,
+    count_delivery,
+    evaluate_version,
+    ingest_version,
+    sweep_stalled,
+    sync_retired,
+)
 from services.common.celery_app import app
 
 log = logging.getLogger("mplex.adapters.tasks")
@@ -53,16 +64,31 @@ def runtime() -> Runtime:
     return build_runtime(settings, enqueue=CeleryEnqueue(), redis_client=redis.Redis.from_url(redis_url))
 
 
-@app.task(name=INGEST)
-def ingest(version_id: str) -> dict:
-    out = ingest_version(runtime(), uuid.UUID(version_id))
+def _delivery_id(task) -> str:
+    """The same for every redelivery of one message; a retry (a new message, same task id) starts afresh."""
+    return f"{task.request.id}:{task.request.retries or 0}"
+
+
+def _result(version_id: str, out: StepOutcome) -> dict:
     return {"version_id": version_id, "status": out.status, "action": out.action}
+
+
+@app.task(name=INGEST, bind=True)
+def ingest(self, version_id: str) -> dict:
+    rt, vid = runtime(), uuid.UUID(version_id)
+    deliveries = count_delivery(rt, _delivery_id(self))
+    if deliveries > rt.config.max_deliveries:
+        return _result(version_id, abandon(rt, vid, deliveries))
+    return _result(version_id, ingest_version(rt, vid))
 
 
 @app.task(name=EVALUATE, bind=True)
 def evaluate(self, version_id: str, attempt: int = 1) -> dict:
-    out = evaluate_version(runtime(), uuid.UUID(version_id), attempt, task_id=self.request.id)
-    return {"version_id": version_id, "status": out.status, "action": out.action}
+    rt, vid = runtime(), uuid.UUID(version_id)
+    deliveries = count_delivery(rt, _delivery_id(self))
+    if deliveries > rt.config.max_deliveries:
+        return _result(version_id, abandon(rt, vid, deliveries))
+    return _result(version_id, evaluate_version(rt, vid, attempt, task_id=self.request.id))
 
 
 @app.task(name=SYNC_RETIRED)

@@ -17,6 +17,8 @@ from services.adapters.pipeline import (
     RETIRED_KEY,
     InlineEnqueue,
     Runtime,
+    abandon,
+    count_delivery,
     evaluate_version,
     ingest_version,
     sweep_stalled,
@@ -206,6 +208,27 @@ def test_a_redelivered_gate_reuses_its_attempts_run(runtime, db, tiny_adapters):
     assert out.status == "ready"
     (run,) = runs(runtime, r.version_id)
     assert (run.status, run.task_id) == (EvalRunStatus.FINISHED, "redelivered-task")
+
+
+def test_a_message_that_keeps_killing_its_worker_is_refused_not_redelivered_forever(runtime, db, tiny_adapters):
+    """What services.adapters.tasks does on each start of a message: count it; past max_deliveries (the
+    worker process died under it every time: OOM, a native crash) the version is refused with a reason."""
+    tenant = make_tenant(db)
+    r = upload(runtime, tenant, "poison", tiny_adapters["strong"], eval_set=tiny_adapters["wins"])
+    runtime.enqueue = _Recorder()
+    ingest_version(runtime, r.version_id)
+    with runtime.session_factory() as s:  # the gate's worker died mid-run
+        s.add(EvalRun(adapter_version_id=r.version_id, attempt=1, status=EvalRunStatus.RUNNING, task_id="t"))
+        s.commit()
+    delivery = f"poison-{uuid.uuid4().hex}:0"
+    counts = [count_delivery(runtime, delivery) for _ in range(runtime.config.max_deliveries + 1)]
+    assert counts == list(range(1, runtime.config.max_deliveries + 2))
+    assert count_delivery(runtime, f"{delivery[:-2]}:1") == 1  # a retry of the task is a new message
+    out = abandon(runtime, r.version_id, counts[-1])
+    v = version(runtime, r.version_id)
+    assert (out.status, v.status) == ("rejected", AdapterStatus.REJECTED)
+    assert [x["code"] for x in v.status_reasons] == ["worker_lost"]
+    assert [(x.status, x.reasons[0]["code"]) for x in runs(runtime, r.version_id)] == [(EvalRunStatus.FAILED, "worker_lost")]
 
 
 def test_a_broken_gate_run_is_retried_then_rejected(runtime, db, tiny_adapters):
