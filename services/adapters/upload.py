@@ -83,9 +83,10 @@ def pack_dir(adapter_dir: Path, out: Path) -> Path:
 
 def check_thresholds(min_margin: float | None, min_fp8_agreement: float | None) -> None:
     if min_margin is not None and not -1 <= min_margin <= 1:
-        raise InvalidRequestError("min_margin must be between -1 and 1", param="min_margin")
+        raise InvalidRequestError("min_margin must be between -1 and 1", param="min_margin", code="invalid_threshold")
     if min_fp8_agreement is not None and not 0 <= min_fp8_agreement <= 1:
-        raise InvalidRequestError("min_fp8_agreement must be between 0 and 1", param="min_fp8_agreement")
+        raise InvalidRequestError("min_fp8_agreement must be between 0 and 1", param="min_fp8_agreement",
+                                  code="invalid_threshold")
 
 
 def store_upload(store: ObjectStore, upload: Path, *, config: PipelineConfig, sandbox_root: Path) -> StoredObject:
@@ -124,7 +125,7 @@ def upload_adapter(
     caller commits and then enqueues ingest (`services.adapters.tasks.enqueue_ingest`)."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidRequestError("name must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a "
-                                  "letter or digit", param="name")
+                                  "letter or digit", param="name", code="invalid_name")
     check_thresholds(min_margin, min_fp8_agreement)
     if session.get(Tenant, tenant_id) is None:
         raise NotFoundError("Tenant not found.")

@@ -122,7 +122,8 @@ class _Receiver:
             raise InvalidRequestError(f"at most {MAX_PARTS} form parts are accepted", code="too_many_parts")
         disposition, options = parse_options_header(self._headers.get(b"content-disposition", b""))
         if disposition != b"form-data" or b"name" not in options:
-            raise InvalidRequestError("each form part needs a Content-Disposition: form-data header with a name")
+            raise InvalidRequestError("each form part needs a Content-Disposition: form-data header with a name",
+                                      code="malformed_multipart")
         name = options[b"name"].decode("utf-8", "replace")
         filename = options[b"filename"].decode("utf-8", "replace") if b"filename" in options else None
         part = _Part(name, filename)
@@ -130,7 +131,7 @@ class _Receiver:
             part.path = self.staging / f"part-{len(self.parts)}"
             part.out = open(part.path, "xb")
         elif name not in ("name", "min_margin", "min_fp8_agreement"):
-            raise InvalidRequestError(f"unknown form field {name!r}", param=name)
+            raise InvalidRequestError(f"unknown form field {name!r}", param=name, code="unknown_field")
         self.parts.append(part)
 
     def _data(self, data: bytes, start: int, end: int) -> None:
@@ -139,7 +140,7 @@ class _Receiver:
         part.size += n
         if part.out is None:
             if part.size > FIELD_MAX_BYTES:
-                raise InvalidRequestError(f"form field {part.name!r} is too long", param=part.name)
+                raise InvalidRequestError(f"form field {part.name!r} is too long", param=part.name, code="field_too_long")
             part.data += data[start:end]
             return
         if part.name == "eval_set":
@@ -174,11 +175,12 @@ class _Receiver:
                 sizes[part.name] = sizes.get(part.name, 0) + part.size
             else:
                 if part.name in fields:
-                    raise InvalidRequestError(f"form field {part.name!r} is given twice", param=part.name)
+                    raise InvalidRequestError(f"form field {part.name!r} is given twice", param=part.name, code="duplicate_field")
                 try:
                     fields[part.name] = part.data.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise InvalidRequestError(f"form field {part.name!r} is not UTF-8", param=part.name) from None
+                    raise InvalidRequestError(f"form field {part.name!r} is not UTF-8", param=part.name,
+                                              code="invalid_encoding") from None
         return Received(fields, files, sizes)
 
 
@@ -207,7 +209,7 @@ async def receive_multipart(request: Request, staging: Path, *, max_file_bytes: 
         raise
     except Exception as exc:  # python-multipart's parse errors: a malformed body, not a server fault
         if type(exc).__module__.startswith("python_multipart"):
-            raise InvalidRequestError(f"malformed multipart body: {exc}") from None
+            raise InvalidRequestError(f"malformed multipart body: {exc}", code="malformed_multipart") from None
         raise
     finally:
         receiver.close()
@@ -221,9 +223,9 @@ def _number(fields: dict[str, str], name: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise InvalidRequestError(f"{name} must be a number", param=name) from None
+        raise InvalidRequestError(f"{name} must be a number", param=name, code="invalid_threshold") from None
     if not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number", param=name)
+        raise InvalidRequestError(f"{name} must be a finite number", param=name, code="invalid_threshold")
     return value
 
 
@@ -231,14 +233,15 @@ def _archive_from(received: Received, staging: Path) -> Path:
     """The one file the pipeline takes: the uploaded archive, or the loose files packed into a tar."""
     archives, loose = received.files.get("file", []), received.files.get("files", [])
     if archives and loose:
-        raise InvalidRequestError("send either `file` (one archive) or `files` (the two PEFT files), not both", param="file")
+        raise InvalidRequestError("send either `file` (one archive) or `files` (the two PEFT files), not both", param="file",
+                                  code="invalid_upload_form")
     if len(archives) > 1:
-        raise InvalidRequestError("`file` takes one .tar.gz or .zip archive", param="file")
+        raise InvalidRequestError("`file` takes one .tar.gz or .zip archive", param="file", code="invalid_upload_form")
     if archives:
         return archives[0][1]
     if not loose:
         raise InvalidRequestError("the upload needs `file` (a .tar.gz or .zip) or `files` (adapter_config.json and "
-                                  "adapter_model.safetensors)", param="file")
+                                  "adapter_model.safetensors)", param="file", code="missing_upload")
     return pack_files(loose, staging / "files.tar")
 
 
@@ -263,12 +266,12 @@ async def _upload(request: Request, gw: Gateway, db, user: SessionPrincipal, ten
                                            max_eval_bytes=config.max_eval_set_bytes)
         name = received.fields.get("name", "").strip()
         if not name:
-            raise InvalidRequestError("name is required", param="name")
+            raise InvalidRequestError("name is required", param="name", code="invalid_name")
         min_margin = _number(received.fields, "min_margin")
         min_fp8 = _number(received.fields, "min_fp8_agreement")
         eval_parts = received.files.get("eval_set", [])
         if len(eval_parts) > 1:
-            raise InvalidRequestError("send one eval_set file", param="eval_set")
+            raise InvalidRequestError("send one eval_set file", param="eval_set", code="invalid_eval_set")
         archive = _archive_from(received, staging)
         actor = actor_of(request, user)
 
