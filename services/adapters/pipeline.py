@@ -67,7 +67,7 @@ class Runtime:
     base_model_name: str
     enqueue: Enqueue
     redis: Any = None  # redis.Redis, for the retired-adapters set
-    demo_kit_home: Path | None = None  # the platform serves the demo kit (built here): its eval sets are defaults
+    demo_kit_home: Path | None = None  # where the demo kit lives; when it is the served base, its task eval sets are defaults
     _gate: GateRunner | None = None
 
     def gate(self) -> GateRunner:
@@ -237,9 +237,12 @@ def load_eval_items(rt: Runtime, *, eval_uri: str | None, content_sha: str, adap
 
 
 def _demo_eval_path(rt: Runtime, content_sha: str, adapter_name: str | None) -> tuple[str, Path] | None:
-    """Only when the platform serves the demo kit's base model."""
+    """Only when the platform serves the demo kit's base model (built already: it is what is served)."""
     if rt.demo_kit_home is None:
         return None
+    demo_root = (Path(rt.demo_kit_home) / "models" / "demo").resolve()
+    if demo_root not in Path(rt.base_model_dir).resolve().parents:
+        return None  # another model: never build the demo kit just to look for eval sets
     from services.modelkit import ensure_demo
 
     kit = ensure_demo(rt.demo_kit_home, progress=False)  # already built: it is the base model being served
@@ -488,6 +491,6 @@ def build_runtime(settings, *, enqueue: Enqueue, config: PipelineConfig | None =
         base_model_name=settings.base_model_name,
         enqueue=enqueue,
         redis=redis_client,
-        demo_kit_home=settings.home if settings.base_model_dir is None else None,
+        demo_kit_home=settings.home,
     )
 

@@ -19,6 +19,7 @@ from services.adapters.pipeline import (
     Runtime,
     abandon,
     count_delivery,
+    load_eval_items,
     evaluate_version,
     ingest_version,
     sweep_stalled,
@@ -337,3 +338,25 @@ def test_reupload_with_reuse_returns_the_same_version(runtime, db, tiny_adapters
     assert (again.version_id, again.created) == (first.version_id, False)
     with runtime.session_factory() as s:
         assert s.scalar(select(func.count()).select_from(AdapterVersion)) == n0 + 1
+
+
+def test_without_an_eval_set_the_demo_tasks_set_or_the_platform_default_is_used(runtime, demo_kit, mplex_home):
+    """Serving the demo kit, an adapter uploaded without an eval set is judged on its demo task's set (found by
+    content, else by name); serving another model, on the platform default — and the demo kit is never
+    looked up (let alone built) for it."""
+    from dataclasses import replace
+
+    from services.adapters.evalset import DEFAULT_EVAL_SET, read_eval_file
+
+    upper = demo_kit.adapters["uppercase"]
+    demo_rt = replace(runtime, base_model_dir=Path(demo_kit.base_dir), demo_kit_home=mplex_home)
+    items, source = load_eval_items(demo_rt, eval_uri=None, content_sha=content_id(Path(upper.path)), adapter_name="mine")
+    assert source == "demo:uppercase" and len(items) == runtime.config.gate.max_examples
+    assert set(items) <= set(read_eval_file(Path(upper.eval_path)))
+    _, by_name = load_eval_items(demo_rt, eval_uri=None, content_sha="0" * 64, adapter_name="reverse")
+    assert by_name == "demo:reverse"
+    _, other = load_eval_items(demo_rt, eval_uri=None, content_sha="0" * 64, adapter_name="mine")
+    assert other == "default"
+    tiny_rt = replace(runtime, demo_kit_home=mplex_home)  # the tiny base is not the demo kit's
+    items, source = load_eval_items(tiny_rt, eval_uri=None, content_sha=content_id(Path(upper.path)), adapter_name="uppercase")
+    assert source == "default" and set(items) <= set(read_eval_file(DEFAULT_EVAL_SET))
