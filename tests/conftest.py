@@ -35,6 +35,15 @@ def mplex_home() -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_kit(mplex_home: Path):
+    """The trained demo kit, cached in the developer's MPLEX_HOME (built by `make model`). Always that home:
+    the `settings` fixture points MPLEX_HOME at a scratch dir, where ensure_demo would build it all again."""
+    from services.modelkit import ensure_demo
+
+    return ensure_demo(mplex_home, progress=False)
+
+
+@pytest.fixture(scope="session")
 def service_urls(mplex_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     from services.common.embedded import EmbeddedRedis, ServiceUrls, default_broker_url, embedded_services
     from services.common.settings import Settings

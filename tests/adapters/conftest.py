@@ -25,11 +25,3 @@ def tiny_model_info(tiny_base, tiny_dims) -> BaseModel:
     return BaseModel(id=None, name="tiny-llama", model_dir=tiny_base, dims=tiny_dims, max_lora_rank=64,
                      accepted_names=frozenset({"tiny-llama", str(tiny_base).lower()}))
 
-
-@pytest.fixture(scope="session")
-def demo_kit(mplex_home):
-    """The trained demo kit from the developer's cache (explicitly: the `settings` fixture points MPLEX_HOME
-    at a scratch home, where ensure_demo would build it all over again)."""
-    from services.modelkit import ensure_demo
-
-    return ensure_demo(mplex_home, progress=False)

@@ -206,7 +206,9 @@ def test_an_untrained_random_adapter_is_rejected_by_the_gate_with_reasons(stack,
     tenant_admin = signed_in(stack, people["tenant_admin"])
     v = tenant_admin.get(f"/api/tenant/adapter-versions/{up['version_id']}").json()
     tenant_admin.close()
-    assert [r["code"] for r in v["reasons"]] == ["margin_below_threshold"]
+    # Its near-flat logits may also flip greedy tokens under FP8: that second reason is legitimate too.
+    codes = [r["code"] for r in v["reasons"]]
+    assert codes[0] == "margin_below_threshold" and set(codes) <= {"margin_below_threshold", "fp8_agreement_below_threshold"}
     assert "must beat the base" in v["reasons"][0]["message"]
     m = v["eval"]["metrics"]
     assert v["eval"]["passed"] is False and m["adapter"]["rouge_l"] < m["base"]["rouge_l"] + 0.05

@@ -19,13 +19,6 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_random(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0, max_position_embeddings=256)
 
 
-@pytest.fixture(scope="session")
-def demo_kit():
-    from services.modelkit import ensure_demo
-
-    return ensure_demo(progress=False)
-
-
 def make_engine(
     model_dir: Path,
     *,

@@ -6,12 +6,6 @@ import pytest
 from tests.stack import Stack
 
 
-@pytest.fixture(scope="session")
-def demo_kit():
-    from services.modelkit import ensure_demo
-
-    return ensure_demo(progress=False)
-
 
 @pytest.fixture(scope="module")
 def stack(stack_env, demo_kit, tmp_path_factory):

@@ -76,7 +76,7 @@ def web_database_url(service_urls) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def web_stack(web_dist, web_database_url, stack_env, service_urls, tmp_path_factory) -> Iterator[WebStack]:
+def web_stack(web_dist, web_database_url, stack_env, service_urls, demo_kit, tmp_path_factory) -> Iterator[WebStack]:
     import redis
     from sqlalchemy.orm import Session
 
@@ -84,9 +84,7 @@ def web_stack(web_dist, web_database_url, stack_env, service_urls, tmp_path_fact
     from services.billing.pricebook import seed_demo_prices
     from services.common.db import make_engine
     from services.gateway.seed import seed_demo
-    from services.modelkit import ensure_demo
-
-    kit = ensure_demo(progress=False)
+    kit = demo_kit
     engine = make_engine(web_database_url, pool_size=2, max_overflow=2)
     with Session(engine) as s:
         seed = seed_demo(s)
