@@ -74,6 +74,7 @@ class ModelRunner:
                     tables[sel, :nblocks].to(dev),
                     bs,
                     self.model.config.sliding_window,
+                    self.model.dtype,
                 )
             )
         samples = torch.tensor([s.samples for s in scheduled], dtype=torch.bool)

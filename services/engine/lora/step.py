@@ -13,15 +13,15 @@ class StepLora:
     def __init__(self, manager: AdapterManager, token_slots: torch.Tensor):
         self.manager = manager
         self.meta = build_sgmv_meta(token_slots)
+        # CPU: each group's class grids and long segments, planned once for all layers.
+        self.cpu_plan = manager.cpu.plan(self.meta) if manager.cpu is not None else None
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        stacks = self.manager.stacks[layer]
-        if self.manager.fused:  # one packed stack per group (CPU)
-            st = stacks[group]
-            lora_expand(lora_shrink(x, st.a, st.ranks, self.meta), st.b, st.ranks, self.meta, out)
+        if self.cpu_plan is not None:
+            self.manager.cpu.apply(layer, group, x, out, self.cpu_plan[group])
             return
+        stacks = self.manager.stacks[layer]
         for module, offset, _ in self.manager.slices[group]:
             st = stacks[module]
             v = lora_shrink(x, st.a, st.ranks, self.meta)
             lora_expand(v, st.b, st.ranks, self.meta, out, y_offset=offset)
-

@@ -20,7 +20,7 @@ class AttnGroup:
     token_index: torch.Tensor  # [B, Q] rows into the flattened token batch (padding repeats a valid row)
     valid: torch.Tensor  # [B, Q] bool: real query slots
     block_tables: torch.Tensor  # [B, nblocks] cache block ids (padding = 0)
-    mask: torch.Tensor  # [B, 1, Q, L] bool: key j visible to query i
+    mask: torch.Tensor  # [B, 1, Q, L] additive: 0 where key j is visible to query i, -inf elsewhere
 
     @property
     def num_seqs(self) -> int:
@@ -40,6 +40,7 @@ def build_group(
     block_tables: torch.Tensor,
     block_size: int,
     sliding_window: int | None,
+    dtype: torch.dtype = torch.float32,
 ) -> AttnGroup:
     """Build a padded group from per-sequence [B] tensors.
 
@@ -61,7 +62,10 @@ def build_group(
     mask &= valid[:, :, None]
     # Padded query slots see key 0 only, so softmax never divides by zero; their output is discarded.
     mask[:, :, 0] |= ~valid
-    return AttnGroup(token_index=token_index, valid=valid, block_tables=block_tables, mask=mask.unsqueeze(1))
+    # Additive rather than boolean: CPU SDPA takes it as is (a bool mask is converted on every call), and
+    # the group's mask is built once per step for all layers.
+    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    return AttnGroup(token_index=token_index, valid=valid, block_tables=block_tables, mask=additive.unsqueeze(1))
 
 
 def paged_attention(
