@@ -197,31 +197,27 @@ class LLMEngine:
         return failed + outputs
 
     def _prefetch_adapters(self) -> None:
-        """Keep the adapters of the next waiting requests host-resident or loading.
-
-        A request asks for its adapter when it arrives, but with more distinct adapters queued than
-        the host tier holds, later loads evict earlier ones before they ever get a slot; without
-        asking again those requests would wait forever. The window (the first `max_cpu_loras`
-        distinct adapters in queue order) bounds both the scan and the churn."""
+        """Tell the adapter manager which adapters the next admissions need (the first distinct ones in
+        queue order, as many as the host tier has room for beside the pinned ones): it loads those and
+        evicts others first. A request asks for its adapter when it arrives, but with more distinct
+        adapters queued than the host tier holds that load may have to wait; without asking again the
+        request would wait forever, and asking for all of them at once would thrash the host tier."""
         if self.adapters is None or not self.scheduler.num_waiting:
             return
-        window = max(1, min(self.config.lora.max_cpu_loras, 2 * self.config.lora.max_loras))
-        seen: set[str] = set()
+        window = min(self.adapters.host_room(), 2 * self.config.lora.max_loras)
+        wanted: dict[str, AdapterRef] = {}
         scanned = 0
         for queue in self.scheduler.waiting.values():
             for seq in queue:
                 scanned += 1
-                if seq.adapter is None or seq.adapter.content_id in seen:
-                    if scanned >= 8 * window:
-                        return
-                    continue
-                seen.add(seq.adapter.content_id)
-                try:
-                    self.adapters.request(seq.adapter)
-                except AdapterFormatError:
-                    pass  # a failed load: _fail_adapter_loads refuses its requests on the next poll
-                if len(seen) >= window or scanned >= 8 * window:
-                    return
+                if seq.adapter is not None:
+                    wanted.setdefault(seq.adapter.content_id, seq.adapter)
+                if len(wanted) >= window or scanned >= 8 * window:
+                    break
+            else:
+                continue
+            break
+        self.adapters.want(list(wanted.values()))  # a failed load: _fail_adapter_loads refuses its requests
 
     def _fail_adapter_loads(self) -> list[RequestOutput]:
         """Requests waiting on an adapter that failed to load are refused with its specific error."""

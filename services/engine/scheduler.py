@@ -137,13 +137,9 @@ class Scheduler:
             blocked = False
             while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = queue[0]
-                hit = self.kv.match_prefix(seq)
-                remaining = seq.num_tokens - hit.num_tokens
-                num_new = min(remaining, budget)
-                if not self.config.chunked_prefill and num_new < remaining:
-                    blocked = True
-                    break
                 slot = -1
+                # The slot first: with more distinct adapters queued than slots, most of the queue is
+                # skipped here every step, and that must stay cheap (no prefix lookup).
                 if seq.adapter is not None and self.adapters is not None:
                     acquired = None if starving else self.adapters.acquire(seq)
                     if acquired is None:  # its adapter cannot be resident now: let others through
@@ -153,6 +149,14 @@ class Scheduler:
                         skipped.append(queue.popleft())
                         continue
                     slot = acquired
+                hit = self.kv.match_prefix(seq)
+                remaining = seq.num_tokens - hit.num_tokens
+                num_new = min(remaining, budget)
+                if not self.config.chunked_prefill and num_new < remaining:
+                    if slot >= 0:
+                        self.adapters.release(seq)
+                    blocked = True
+                    break
                 if not self.kv.allocate(seq, num_new, hit):
                     victim = self._pick_victim() if self.running else None
                     if victim is not None and victim.priority > seq.priority:

@@ -236,3 +236,24 @@ def test_loading_happens_off_the_step_loop(demo_kit, adapters, tmp_path):
     _GatedFS.gate.set()
     run_all(engine, [])
     assert slow.num_output_tokens == 8
+
+
+def test_more_distinct_adapters_queued_than_the_host_tier_holds_load_about_once_each(tiny_model, tmp_path):
+    """12 adapters queued at once, 2 device slots, a host tier of 4: each adapter is read from storage
+    once (a queue that asked for all of them at once evicted each load before it got a slot)."""
+    from services.modelkit import make_random_adapter
+
+    refs = []
+    for i in range(12):
+        path = make_random_adapter(tiny_model, tmp_path / f"a{i}", rank=2 + i % 3, seed=i)
+        refs.append(AdapterRef(content_id(path), f"a{i}", str(path)))
+    engine = make_engine(tiny_model, max_loras=2, max_cpu_loras=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    reads = []
+    read = engine.adapters._read
+    engine.adapters._read = lambda ref: (reads.append(ref.content_id), read(ref))[1]
+    # Each adapter's two requests are adjacent in the queue, so no policy needs an adapter twice.
+    out = run_all(engine, [{"id": f"r{i}", "prompt": [3, 4, 5 + i], "params": params, "adapter": refs[i // 2]}
+                           for i in range(24)])
+    assert all(len(toks) == 4 for toks in out.values())
+    assert sorted(reads) == sorted(r.content_id for r in refs), f"{len(reads)} reads for 12 adapters"

@@ -22,6 +22,7 @@ import torch
 
 from services.common.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError
 from services.engine.config import LoraConfig, ModelConfig
+from services.engine.lora.cpu_slots import CpuSlotStacks
 from services.engine.lora.weights import LoraWeights, load_lora, module_dims
 from services.engine.sequence import AdapterRef, Sequence
 
@@ -37,10 +38,10 @@ class ModuleStack:
     ranks: torch.Tensor  # [slots] int32; 0 = this slot's adapter does not target this module
 
 
-# Projections that read the same input are applied as one group. On the CPU a group is ONE stack:
-# A packs the slices' rows, B is block-diagonal, so a segment costs one shrink and one expand
-# (dispatch, not FLOPs, is what a small CPU matmul costs). On CUDA each slice keeps its own stack
-# and the Triton kernels run per slice with an output offset.
+# Projections that read the same input are applied as one group. On the CPU a group's adapters live
+# in rank-class stacks (cpu_slots.py: A packs the slices' rows, B is block-diagonal), applied with a few
+# batched ops per step (dispatch, not FLOPs, is what a small CPU matmul costs). On CUDA each slice
+# keeps its own per-slot stack and the Triton kernels run per slice with an output offset.
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -83,33 +84,28 @@ class AdapterManager:
                 parts.append((m, off, dims[m][1]))
                 off += dims[m][1]
             self.slices[group] = parts
-        # stacks[layer][name]: name is a group when fused, else a module.
+        # CPU: rank-class stacks per group. CUDA: stacks[layer][module], the SGMV kernels' operands.
+        self.cpu: CpuSlotStacks | None = None
         self.stacks: list[dict[str, ModuleStack]] = []
-        for _ in range(model.num_layers):
-            layer = {}
-            if self.fused:
-                for group, parts in self.slices.items():
-                    d_in = dims[parts[0][0]][0]
-                    d_out = sum(size for _, _, size in parts)
-                    layer[group] = ModuleStack(
-                        a=torch.zeros(n, r * len(parts), d_in, dtype=dtype, device=device),
-                        b=torch.zeros(n, d_out, r * len(parts), dtype=dtype, device=device),
-                        ranks=torch.zeros(n, dtype=torch.int32, device=device),
-                    )
-            else:
-                for module, (d_in, d_out) in dims.items():
-                    layer[module] = ModuleStack(
+        if self.fused:
+            self.cpu = CpuSlotStacks(model.num_layers, self.slices, dims, max_rank=r, max_slots=n, dtype=dtype, device=device)
+        else:
+            for _ in range(model.num_layers):
+                self.stacks.append({
+                    module: ModuleStack(
                         a=torch.zeros(n, r, d_in, dtype=dtype, device=device),
                         b=torch.zeros(n, d_out, r, dtype=dtype, device=device),
                         ranks=torch.zeros(n, dtype=torch.int32, device=device),
                     )
-            self.stacks.append(layer)
+                    for module, (d_in, d_out) in dims.items()
+                })
         self._host: OrderedDict[str, LoraWeights] = OrderedDict()
         self._slot_of: dict[str, int] = {}
         self._owner: list[str | None] = [None] * n
         self._pins = [0] * n
         self._idle_slots: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))  # unpinned, LRU first
         self._loading: set[str] = set()
+        self._wanted: set[str] = set()  # content ids the queue's next admissions need (see want)
         self._failed: dict[str, AdapterFormatError] = {}
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
@@ -117,8 +113,10 @@ class AdapterManager:
         self.slot_loads = 0
 
     # -- host tier -----------------------------------------------------------------------------
-    def request(self, ref: AdapterRef) -> None:
-        """Make sure the adapter is host-resident or on its way; raises if it is known to be bad."""
+    def request(self, ref: AdapterRef, *, evict: bool = False) -> None:
+        """Make sure the adapter is host-resident or on its way, if the host tier has a free entry for
+        it; raises if it is known to be bad. Only `want`, which knows the queue's order, evicts to make
+        room: a request evicting on arrival would push out adapters that requests ahead of it need."""
         self.poll()
         cid = ref.content_id
         if cid in self._failed:
@@ -130,8 +128,43 @@ class AdapterManager:
             return
         if not ref.path:
             raise AdapterFormatError("unknown_adapter", f"adapter {ref.name or cid[:12]} is not loaded and has no storage path")
+        if not self._make_room(evict):
+            return
         self._loading.add(cid)
         self._pool.submit(self._load, ref)
+
+    def want(self, refs: list[AdapterRef]) -> list[tuple[AdapterRef, AdapterFormatError]]:
+        """The adapters the next admissions need, most urgent first (at most `host_room()` of them):
+        each is loaded unless resident, and no load evicts one of them from the host tier. Returns
+        the ones known to be bad."""
+        self._wanted = {r.content_id for r in refs}
+        bad = []
+        for ref in refs:
+            try:
+                self.request(ref, evict=True)
+            except AdapterFormatError as exc:
+                bad.append((ref, exc))
+        return bad
+
+    def host_room(self) -> int:
+        """How many adapters the host tier can hold besides those pinned by running sequences."""
+        return max(1, self.config.max_cpu_loras - self.num_pinned)
+
+    def _evictable(self, cid: str) -> bool:
+        slot = self._slot_of.get(cid)
+        return slot is None or self._pins[slot] == 0
+
+    def _make_room(self, evict: bool) -> bool:
+        """A host entry for one more load (counting the loads in flight). With `evict`, the least recently
+        used adapter that nothing running pins and no queued request wants makes way. False if none."""
+        while len(self._host) + len(self._loading) >= self.config.max_cpu_loras:
+            if not evict:
+                return False
+            victim = next((c for c in self._host if self._evictable(c) and c not in self._wanted), None)
+            if victim is None:
+                return False
+            self._host.pop(victim)
+        return True
 
     def load_sync(self, ref: AdapterRef) -> LoraWeights:
         """Load an adapter now (internal load endpoint); errors raise. Safe to call from any thread."""
@@ -197,8 +230,11 @@ class AdapterManager:
             self._evict_host()
 
     def _evict_host(self) -> None:
+        """Back under the limit after a load (a synchronous load may bypass `_make_room`): unwanted
+        victims first, then any the running sequences do not pin."""
         while len(self._host) > self.config.max_cpu_loras:
-            victim = next((c for c in self._host if c not in self._slot_of or self._pins[self._slot_of[c]] == 0), None)
+            victim = next((c for c in self._host if self._evictable(c) and c not in self._wanted), None)
+            victim = victim or next((c for c in self._host if self._evictable(c)), None)
             if victim is None:
                 return
             self._host.pop(victim)
@@ -228,10 +264,14 @@ class AdapterManager:
         assert self._pins[slot] >= 0
         if self._pins[slot] == 0:
             self._idle_slots[slot] = None  # most recently used end
+            if self.cpu is not None:
+                self.cpu.deactivate(slot)
 
     def _pin(self, slot: int) -> None:
         if self._pins[slot] == 0:
             del self._idle_slots[slot]
+            if self.cpu is not None:
+                self.cpu.activate(slot)
         self._pins[slot] += 1
 
     def _install(self, weights: LoraWeights) -> int:
@@ -240,23 +280,9 @@ class AdapterManager:
         old = self._owner[slot]
         if old is not None:
             del self._slot_of[old]
+        if self.cpu is not None:
+            self.cpu.install(slot, weights)
         for layer, stacks in enumerate(self.stacks):
-            if self.fused:
-                for group, stack in stacks.items():
-                    stack.a[slot].zero_()
-                    stack.b[slot].zero_()
-                    packed = 0
-                    for module, out_off, out_size in self.slices[group]:
-                        pair = weights.tensors.get((layer, module))
-                        if pair is None:
-                            continue
-                        a, b = pair
-                        r = a.shape[0]
-                        stack.a[slot, packed : packed + r].copy_(a)
-                        stack.b[slot, out_off : out_off + out_size, packed : packed + r].copy_(b)
-                        packed += r
-                    stack.ranks[slot] = packed
-                continue
             for module, stack in stacks.items():
                 pair = weights.tensors.get((layer, module))
                 if pair is None:
@@ -280,6 +306,8 @@ class AdapterManager:
                 raise AdapterFormatError("adapter_in_use", "the adapter is in use by running requests")
             del self._slot_of[content_id]
             self._owner[slot] = None
+            if self.cpu is not None:
+                self.cpu.evict(slot)
             self._idle_slots.move_to_end(slot, last=False)
         self._failed.pop(content_id, None)
         return self._host.pop(content_id, None) is not None or slot is not None
@@ -314,6 +342,8 @@ class AdapterManager:
         assert set(self._idle_slots) == {i for i, p in enumerate(self._pins) if p == 0}
         for cid, slot in self._slot_of.items():
             assert self._owner[slot] == cid
+        if self.cpu is not None:
+            self.cpu.check_integrity()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
