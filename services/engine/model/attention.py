@@ -64,7 +64,8 @@ def build_group(
     mask[:, :, 0] |= ~valid
     # Additive rather than boolean: CPU SDPA takes it as is (a bool mask is converted on every call), and
     # the group's mask is built once per step for all layers.
-    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    zero = torch.zeros((), dtype=dtype, device=device)
+    additive = torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=device))
     return AttnGroup(token_index=token_index, valid=valid, block_tables=block_tables, mask=additive.unsqueeze(1))
 
 
