@@ -7,21 +7,29 @@ Layout of a built kit (`out_dir`):
     evals/<name>.jsonl    held-out rows for each adapter's task
     manifest.json         build key, hyper-parameters, per-stage losses/timings and eval scores
 
-Everything is seeded and the thread count is fixed, so the same config builds the same weights.
+Everything is seeded and the thread counts are fixed, so the same config builds the same weights. The
+base model trains in this process; the adapters then train in `adapter_workers` spawned processes
+(longest first), which report their steps back so this process draws one bar per adapter.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from services.modelkit import corpus
-from services.modelkit.config import AdapterSpec, KitConfig
+from services.modelkit.config import AdapterSpec, KitConfig, TrainConfig
 from services.modelkit.evaluate import EvalItem, load_tokenizer, score, write_eval
 from services.modelkit.tokenizer import save_hf_tokenizer, special_ids, train_tokenizer
 from services.modelkit.train import encode_examples, train
@@ -35,7 +43,6 @@ def _items(examples: list[corpus.Example]) -> list[EvalItem]:
 
 def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool = True) -> dict[str, Any]:
     """Build the whole kit into `out_dir` (which must be empty or absent); returns the manifest."""
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t_all = time.perf_counter()
@@ -80,7 +87,8 @@ def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool 
     )
     lm = LlamaForCausalLM(lm_cfg)
     data = encode_examples(tok, train_set, ids["<|end|>"])
-    res = train(lm, list(lm.parameters()), data, cfg.base_train, pad_id=ids["<pad>"], desc="base model", progress=progress)
+    res = train(lm, list(lm.parameters()), data, cfg.base_train, pad_id=ids["<pad>"], desc="base model",
+                progress=progress)
     lm.generation_config.pad_token_id = ids["<pad>"]
     lm.generation_config.eos_token_id = ids["<|end|>"]
     lm.generation_config.bos_token_id = ids["<s>"]
@@ -96,29 +104,120 @@ def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool 
     log.info("base model: loss %.3f, eval exact match %.2f", res.final_loss, base_score.exact_match)
 
     # -- adapters ---------------------------------------------------------------------------------
-    manifest["adapters"] = {}
-    for spec in cfg.adapters:
-        manifest["adapters"][spec.name] = _build_adapter(
-            spec, cfg, out_dir, base_dir, tok, ids, progress=progress,
-            LoraConfig=LoraConfig, get_peft_model=get_peft_model,
-        )
+    built = _build_adapters(cfg, out_dir, base_dir, progress=progress)
+    manifest["adapters"] = {spec.name: built[spec.name] for spec in cfg.adapters}
     manifest["seconds"] = round(time.perf_counter() - t_all, 1)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
 
 
-def _build_adapter(spec: AdapterSpec, cfg: KitConfig, out_dir: Path, base_dir: Path, tok, ids, *, progress: bool,
-                   LoraConfig, get_peft_model) -> dict[str, Any]:
+def _build_adapters(cfg: KitConfig, out_dir: Path, base_dir: Path, *, progress: bool) -> dict[str, dict[str, Any]]:
+    """Train every adapter in `adapter_workers` worker processes; returns each one's manifest entry.
+
+    Workers are plain subprocesses (`python -m services.modelkit.adapter_worker`) fed a JSON job on stdin:
+    multiprocessing's spawn would re-import the caller's __main__ in each worker, and a script without a
+    main guard would then build the kit again and wait forever on the kit lock its parent holds."""
+    if not cfg.adapters:
+        return {}
+    workers: list[list[AdapterSpec]] = [[] for _ in range(min(cfg.adapter_workers, len(cfg.adapters)))]
+    load = [0] * len(workers)
+    for spec in sorted(cfg.adapters, key=lambda a: -a.train.steps * a.train.batch_size):  # longest first
+        i = load.index(min(load))
+        workers[i].append(spec)
+        load[i] += spec.train.steps * spec.train.batch_size
+    bars = {a.name: tqdm(total=a.train.steps, desc=f"adapter {a.name}", unit="step", position=i, leave=True,
+                         disable=not progress, dynamic_ncols=True) for i, a in enumerate(cfg.adapters)}
+    events: queue.Queue = queue.Queue()
+    procs = []
+    try:
+        for i, specs in enumerate(workers):
+            job = {"out_dir": str(out_dir), "base_dir": str(base_dir), "seed": cfg.seed, "eval_size": cfg.eval_size,
+                   "model_name": cfg.model_name, "threads": cfg.adapter_threads, "adapters": [asdict(s) for s in specs]}
+            procs.append(start_worker(job, out_dir / f".worker-{i}.log", events))
+        results: dict[str, dict[str, Any]] = {}
+        finished = 0
+        while finished < len(procs):
+            kind, *rest = events.get()
+            if kind == "step":
+                name, step, loss = rest
+                bars[name].set_postfix(loss=f"{loss:.3f}", refresh=False)
+                bars[name].update(step - bars[name].n)
+            elif kind == "result":
+                name, result = rest
+                results[name] = result
+                bars[name].update(bars[name].total - bars[name].n)
+            else:  # "exit"
+                finished += 1
+        for proc, log_path in procs:
+            if proc.wait() != 0:
+                tail = log_path.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"an adapter worker failed (exit {proc.returncode}):\n{tail}")
+        missing = {a.name for a in cfg.adapters} - set(results)
+        if missing:
+            raise RuntimeError(f"adapter workers finished without building {sorted(missing)}")
+        for _, log_path in procs:
+            log_path.unlink()
+        return results
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for bar in bars.values():
+            bar.close()
+
+
+def start_worker(job: dict[str, Any], log_path: Path, events: queue.Queue) -> tuple[subprocess.Popen, Path]:
+    """Start one worker; a thread turns its stdout lines into ("step"|"result"|"exit", ...) events."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "TOKENIZERS_PARALLELISM": "false"}
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.modelkit.adapter_worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, env=env)
+    log.close()
+    proc.stdin.write(json.dumps(job).encode())
+    proc.stdin.close()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            if not line.startswith(WORKER_PREFIX):
+                continue  # a library printing to stdout
+            msg = json.loads(line[len(WORKER_PREFIX):])
+            if "result" in msg:
+                events.put(("result", msg["adapter"], msg["result"]))
+            else:
+                events.put(("step", msg["adapter"], msg["step"], msg["loss"]))
+        events.put(("exit",))
+
+    threading.Thread(target=pump, daemon=True, name="kit-worker-pump").start()
+    return proc, log_path
+
+
+WORKER_PREFIX = b"@mplex-kit "
+
+
+def spec_from_dict(d: dict[str, Any]) -> AdapterSpec:
+    return AdapterSpec(
+        **{**d, "train": TrainConfig(**d["train"]), "target_modules": tuple(d["target_modules"]),
+           "rank_pattern": tuple(tuple(x) for x in d["rank_pattern"]),
+           "alpha_pattern": tuple(tuple(x) for x in d["alpha_pattern"])})
+
+
+def build_adapter(spec: AdapterSpec, *, seed: int, eval_size: int, model_name: str, out_dir: Path, base_dir: Path,
+                  on_step) -> dict[str, Any]:
+    """Train, save and score one adapter on the built base model (runs in a worker process)."""
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    ev = corpus.adapter_eval_set(spec.task, cfg.eval_size, cfg.seed)
+    tok = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+    ids = special_ids(tok)
+    ev = corpus.adapter_eval_set(spec.task, eval_size, seed)
     write_eval(out_dir / "evals" / f"{spec.name}.jsonl", _items(ev))
     n = spec.train.steps * spec.train.batch_size
-    examples = corpus.adapter_training(spec.task, cfg.seed, n, exclude={e.prompt for e in ev})
+    examples = corpus.adapter_training(spec.task, seed, n, exclude={e.prompt for e in ev})
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     hf_tok = load_tokenizer(base_dir)
     base_only = score(base, hf_tok, _items(ev))
-    torch.manual_seed(cfg.seed + 1)
+    torch.manual_seed(seed + 1)
     lora_cfg = LoraConfig(
         r=spec.rank,
         lora_alpha=spec.lora_alpha,
@@ -134,9 +233,10 @@ def _build_adapter(spec: AdapterSpec, cfg: KitConfig, out_dir: Path, base_dir: P
     inner = peft_model.get_base_model()  # the LlamaForCausalLM with LoRA layers injected in place
     params = [p for p in peft_model.parameters() if p.requires_grad]
     data = encode_examples(tok, examples, ids["<|end|>"])
-    res = train(inner, params, data, spec.train, pad_id=ids["<pad>"], desc=f"adapter {spec.name}", progress=progress)
+    res = train(inner, params, data, spec.train, pad_id=ids["<pad>"], desc=f"adapter {spec.name}", progress=False,
+                on_step=on_step)
     adapter_dir = out_dir / "adapters" / spec.name
-    peft_model.peft_config["default"].base_model_name_or_path = cfg.model_name
+    peft_model.peft_config["default"].base_model_name_or_path = model_name
     peft_model.save_pretrained(adapter_dir, safe_serialization=True)
     for extra in adapter_dir.iterdir():  # PEFT also writes a model card; the kit ships exactly the two files
         if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):

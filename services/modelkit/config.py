@@ -92,6 +92,10 @@ class KitConfig:
     model_name: str = "mplex-demo"
     seed: int = 0
     threads: int = 2  # fixed, so fp32 reductions (and so the weights) do not depend on the machine's cores
+    # Adapters train in parallel processes of `adapter_threads` threads each: their small matmuls scale
+    # better over processes than over threads. Both are fixed for the same reason as `threads`.
+    adapter_workers: int = 2
+    adapter_threads: int = 1
     eval_size: int = 40
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelShape = field(default_factory=ModelShape)
@@ -102,8 +106,8 @@ class KitConfig:
         names = [a.name for a in self.adapters]
         if len(set(names)) != len(names):
             raise KitConfigError(f"adapter names must be unique: {names}")
-        if self.threads < 1 or self.eval_size < 1:
-            raise KitConfigError("threads and eval_size must be >= 1")
+        if min(self.threads, self.adapter_workers, self.adapter_threads, self.eval_size) < 1:
+            raise KitConfigError("threads, adapter_workers, adapter_threads and eval_size must be >= 1")
 
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services.modelkit.config import DEMO_CONFIG, KitConfig
 
-_SOURCES = ("build.py", "config.py", "corpus.py", "evaluate.py", "tokenizer.py", "train.py")
+_SOURCES = ("adapter_worker.py", "build.py", "config.py", "corpus.py", "evaluate.py", "tokenizer.py", "train.py")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +70,11 @@ def train(
     pad_id: int,
     desc: str,
     progress: bool,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Train `params` of a `*ForCausalLM` (LoRA layers, if any, already injected) on `data` in order.
+    `on_step(step, recent loss)` reports progress instead of a bar (used by worker processes, whose
+    parent draws the bars).
 
     Only answer positions go through the LM head: cheaper, and the prompt is not what we teach.
     """
@@ -81,7 +84,8 @@ def train(
     lm.train()
     losses: list[float] = []
     start = time.perf_counter()
-    bar = tqdm(total=cfg.steps, desc=desc, unit="step", disable=not progress, leave=True, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, desc=desc, unit="step", disable=not progress or on_step is not None, leave=True,
+               dynamic_ncols=True)
     try:
         for step in range(cfg.steps):
             ids, targets, mask = collate(data[step * cfg.batch_size : (step + 1) * cfg.batch_size], pad_id)
@@ -95,7 +99,10 @@ def train(
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
             if step % 10 == 0 or step == cfg.steps - 1:
-                bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+                recent = sum(losses[-10:]) / len(losses[-10:])
+                bar.set_postfix(loss=f"{recent:.3f}")
+                if on_step is not None:
+                    on_step(step + 1, recent)
             bar.update(1)
     finally:
         bar.close()
