@@ -58,3 +58,22 @@ def test_bf16_engine_runs_and_agrees_mostly_with_fp32(tiny_model):
     bf16 = run_all(make_engine(tiny_model, dtype="bfloat16"), reqs)
     same = sum(a == b for k in fp32 for a, b in zip(fp32[k], bf16[k]))
     assert same >= 0.5 * sum(len(v) for v in fp32.values())
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_fp8_weights_take_at_most_055_of_bf16(tied, tmp_path):
+    """Every projection, the LM head and the embedding table are FP8 (per-row scales): weight memory is
+    about half of bf16. (What FP8 does to greedy outputs needs a trained model: bench/fp8_bench.py measures
+    it on the demo kit, and the quality gate's FP8 agreement is checked in tests/adapters/test_e2e.py.)"""
+    from services.engine.kernels import Fp8Weight
+    from services.modelkit import build_tiny_random
+
+    model_dir = build_tiny_random(tmp_path / "m", seed=5, arch="llama", tie_word_embeddings=tied)
+    bf16 = make_engine(model_dir, dtype="bfloat16").model
+    fp8 = make_engine(model_dir, dtype="bfloat16", weight_dtype="fp8").model
+    assert isinstance(fp8.embed, Fp8Weight) and isinstance(fp8.lm_head.weight, Fp8Weight)
+    assert (fp8.lm_head.weight is fp8.embed) == tied
+    assert fp8.weight_bytes() <= 0.55 * bf16.weight_bytes()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = run_all(make_engine(model_dir, weight_dtype="fp8"), [{"id": "f", "prompt": [5, 9, 13, 40], "params": params}])
+    assert len(out["f"]) == 8

@@ -4,7 +4,8 @@ quantize_fp8 stores each output row as float8_e4m3fn with scale = amax(row) / 44
 the full e4m3 range: half the bytes of bf16 for ~2-3% relative weight error (see the tests/README).
 fp8_linear runs torch._scaled_mm on GPUs with FP8 tensor cores (sm89+), quantizing activations per
 token on the fly; elsewhere (CPU) it widens the FP8 weight exactly to x's dtype for the matmul and
-applies the per-channel scale to the output. fp8_linear_ref is the fp32 definition both are tested against.
+applies the per-channel scale to the output. fp8_linear_ref is the fp32 definition both are tested against. The embedding table is stored the same
+way (a row per token) and fp8_embedding widens only the rows a batch looks up.
 """
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w32 / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return Fp8Weight(q.contiguous(), scale.contiguous())
+
+
+def fp8_embedding_ref(ids: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The definition: rows of the dequantized table."""
+    return w.dequantize(torch.float32)[ids].to(dtype)
+
+
+def fp8_embedding(ids: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Embedding lookup in an FP8 table [vocab, hidden] with per-row scales: only the looked-up rows are
+    widened, so the table stays at one byte per element (a tied LM head reads the same table)."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be int32/int64, got {ids.dtype}")
+    rows = w.weight.index_select(0, ids.reshape(-1))
+    out = _widen_e4m3(rows).float() * (w.scale.index_select(0, ids.reshape(-1)) * 256.0)[:, None]
+    return out.to(dtype).reshape(*ids.shape, w.shape[1])
 
 
 def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

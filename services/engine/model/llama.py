@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.config import ModelConfig
+from services.engine.kernels.fp8 import Fp8Weight, fp8_embedding
 from services.engine.model.attention import AttnMetadata, paged_attention
 from services.engine.model.layers import Linear, LoraHook, rms_norm
 from services.engine.model.rope import RotaryEmbedding
@@ -28,7 +29,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        embed: torch.Tensor,
+        embed: torch.Tensor | Fp8Weight,
         layers: list[DecoderLayer],
         norm: torch.Tensor,
         lm_head: Linear,
@@ -46,7 +47,8 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
 
     def weight_bytes(self) -> int:
-        total = self.embed.numel() * self.embed.element_size() + self.norm.numel() * self.norm.element_size()
+        embed = self.embed.nbytes if isinstance(self.embed, Fp8Weight) else self.embed.numel() * self.embed.element_size()
+        total = embed + self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             total += sum(lin.weight_bytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
@@ -65,7 +67,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         cfg = self.config
-        h = F.embedding(input_ids, self.embed)
+        h = fp8_embedding(input_ids, self.embed, self.dtype) if isinstance(self.embed, Fp8Weight) else F.embedding(input_ids, self.embed)
         q_size, kv_size = cfg.q_size, cfg.kv_size
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)

@@ -72,10 +72,15 @@ def load_model(
             )
         )
     embed = take("model.embed_tokens.weight")
-    if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = Linear(embed)
-    else:
-        lm_head = Linear(take("lm_head.weight"))
+    head = None if cfg.tie_word_embeddings or "lm_head.weight" not in sd else take("lm_head.weight")
+    if weight_dtype == "fp8":
+        # The embedding table and LM head too (per-row scales): on a small vocabulary model they are a
+        # third of the weights, and leaving them wide would keep FP8 far from half the bytes.
+        from services.engine.kernels.fp8 import quantize_fp8
+
+        embed = quantize_fp8(embed)
+        head = None if head is None else quantize_fp8(head)
+    lm_head = Linear(embed if head is None else head)
     norm = take("model.norm.weight")
     sd.pop("lm_head.weight", None)
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]

@@ -129,3 +129,16 @@ def test_fp8_linear_rejects_bad_inputs():
         fp8_linear(randn(2, 40), quantize_fp8(randn(48, 40)), backend="scaled_mm")
     with pytest.raises(ValueError, match="backend"):
         fp8_linear(randn(2, 64), q, backend="gpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_embedding_gathers_the_dequantized_rows(dtype):
+    from services.engine.kernels import fp8_embedding, fp8_embedding_ref
+
+    table = quantize_fp8(randn(50, 24, seed=6))
+    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
+    got = fp8_embedding(ids, table, dtype)
+    assert got.shape == (2, 3, 24) and got.dtype == dtype
+    torch.testing.assert_close(got, fp8_embedding_ref(ids, table, dtype), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="int32/int64"):
+        fp8_embedding(ids.float(), table, dtype)
