@@ -46,6 +46,19 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
         self.scale = config.head_dim**-0.5
 
+    def num_params(self) -> int:
+        def n(w) -> int:
+            return (w.weight if isinstance(w, Fp8Weight) else w).numel()
+
+        total = n(self.embed) + self.norm.numel()
+        for layer in self.layers:
+            total += sum(n(lin.weight) + (lin.bias.numel() if lin.bias is not None else 0)
+                         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += layer.input_norm.numel() + layer.post_norm.numel()
+        if self.lm_head.weight is not self.embed:
+            total += n(self.lm_head.weight)
+        return total
+
     def weight_bytes(self) -> int:
         embed = self.embed.nbytes if isinstance(self.embed, Fp8Weight) else self.embed.numel() * self.embed.element_size()
         total = embed + self.norm.numel() * self.norm.element_size()
