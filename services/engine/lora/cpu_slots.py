@@ -18,7 +18,7 @@ from services.engine.kernels.sgmv_cpu import GroupPlan, lora_apply_classed, plan
 from services.engine.kernels.sgmv_meta import SgmvMeta
 from services.engine.lora.weights import LoraWeights
 
-MIN_WIDTH = 16  # classes double from here: narrow adapters must not read (and multiply) 16 columns of padding
+MIN_WIDTH = 4  # classes double from here: narrow adapters must not read (and multiply) 16 columns of padding
 
 
 def class_widths(max_packed: int) -> tuple[int, ...]:
