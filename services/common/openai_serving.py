@@ -70,6 +70,8 @@ def plan_request(
             if isinstance(prompt, list):
                 if not prompt or not all(isinstance(t, int) for t in prompt):
                     raise InvalidRequest("token prompts must be non-empty lists of integers", "prompt")
+                if min(prompt) < 0 or max(prompt) >= builder.vocab_size:
+                    raise InvalidRequest(f"prompt token ids must be in [0, {builder.vocab_size})", "prompt")
                 ids = prompt
             else:
                 ids = builder.text_ids(prompt)

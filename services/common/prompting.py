@@ -49,6 +49,11 @@ class PromptBuilder:
             template = (model_dir / "chat_template.jinja").read_text()
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
+        # Token-id prompts are checked against the model's embedding rows (config.json may pad past the
+        # tokenizer's vocabulary); a bare tokenizer dir falls back to the tokenizer's size.
+        model_cfg = model_dir / "config.json"
+        vocab = json.loads(model_cfg.read_text()).get("vocab_size") if model_cfg.exists() else None
+        self.vocab_size: int = int(vocab) if vocab else self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])

@@ -1,6 +1,7 @@
 """The gateway through the official OpenAI SDK against real engines, Postgres and Redis."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -79,6 +80,11 @@ def test_error_types(stack, demo_kit, tenant_key, db):
     with pytest.raises(openai.BadRequestError) as bad:
         client(stack, key).chat.completions.create(model=demo_kit.model_name, messages=[{"role": "user", "content": "hi"}], top_p=2)
     assert bad.value.body["param"] == "top_p"
+    vocab = json.loads((demo_kit.base_dir / "config.json").read_text())["vocab_size"]
+    for ids in ([vocab], [5, -1], [-(2**63) - 1]):  # the last one does not even fit in 64 bits (found by schemathesis)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client(stack, key).completions.create(model=demo_kit.model_name, prompt=ids, max_tokens=2)
+        assert bad.value.body["param"] == "prompt" and f"[0, {vocab})" in bad.value.body["message"]
     limited = make_tenant(db, limits={"tokens_per_min": 50})
     small_key = make_api_key(db, tenant=limited).secret
     with pytest.raises(openai.RateLimitError) as rl:
