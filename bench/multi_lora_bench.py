@@ -9,9 +9,11 @@ PEFT mixed-adapter `generate` with static batches of 16 and 64 — for two rank 
 - stress (ranks 4..64): ranks ~85-1365 at 8B scale, adapters up to a third of this base model's size. Its
   figures are reported next to the targets: on the CPU they are bound by reading those weights from DRAM.
 
-Throughput runs are repeated, interleaved, and every ratio is taken within one repetition (runs minutes
-apart on this shared VM differ by up to 30% in speed, neighbours taking memory bandwidth); the median ratio
-over the repetitions is reported, as is the median run's tokens/s.
+Throughput runs are repeated, and every LoRA run is bracketed by base-only runs: its ratio is taken against
+the mean of the base runs just before and just after it (runs minutes apart on this shared VM differ by up
+to 30% in speed, neighbours taking memory bandwidth; a bracket cancels a drift that is linear over the
+~20 s it spans). The median ratio over the repetitions is reported with its spread, and the median run's
+tokens/s.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ N_ADAPTERS = int(os.environ.get("MPLEX_BENCH_ADAPTERS", "256"))
 N_REQUESTS = int(os.environ.get("MPLEX_BENCH_LORA_REQUESTS", "384"))
 PEFT_REQUESTS = int(os.environ.get("MPLEX_BENCH_PEFT_REQUESTS", "128"))  # PEFT is slow: a prefix of the same requests
 RATE = float(os.environ.get("MPLEX_BENCH_LORA_RATE", "12"))
-REPS = int(os.environ.get("MPLEX_BENCH_LORA_REPS", "3"))
+REPS = int(os.environ.get("MPLEX_BENCH_LORA_REPS", "5"))
 # Fewer device slots than the distinct adapters either popularity draws (zipf ~110, uniform ~190), and a
 # host tier that cannot hold all 256 either: slots are swapped and adapters evicted during the run.
 MAX_LORAS, MAX_CPU_LORAS = 96, 192
@@ -199,10 +201,21 @@ def main() -> None:
           + ", ".join(f"{k}={len(set(v))}" for k, v in runs.items() if k != "base_only"), flush=True)
 
     samples: dict[str, list[dict]] = {name: [] for name in runs}
+    ratios: dict[str, list[float]] = {name: [] for name in runs if name != "base_only"}
+
+    def measure(rep: int, name: str) -> dict:
+        out = throughput(kit, reqs, runs[name])
+        samples[name].append(out)
+        print(f"  [{rep + 1}/{REPS}] {name}: {out['output_tok_s']:.1f} tok/s", flush=True)
+        return out
+
     for rep in range(REPS):
-        for name, adapters in runs.items():
-            samples[name].append(throughput(kit, reqs, adapters))
-            print(f"  [{rep + 1}/{REPS}] {name}: {samples[name][-1]['output_tok_s']:.1f} tok/s", flush=True)
+        before = measure(rep, "base_only")
+        for name in ratios:
+            run = measure(rep, name)
+            after = measure(rep, "base_only")
+            ratios[name].append(run["output_tok_s"] / ((before["output_tok_s"] + after["output_tok_s"]) / 2))
+            before = after
     thr = {}
     for name, runs_of in samples.items():
         med = statistics.median_low(r["output_tok_s"] for r in runs_of)
@@ -215,12 +228,17 @@ def main() -> None:
     base = thr["base_only"]["output_tok_s"]
 
     def vs_base(name: str) -> float:
-        """Median over repetitions of this run's tokens/s over the base-only run of the same repetition."""
-        return statistics.median(r["output_tok_s"] / b["output_tok_s"] for r, b in zip(samples[name], samples["base_only"]))
+        """Median over repetitions of this run's tokens/s over the mean of the base-only runs around it."""
+        return statistics.median(ratios[name]) if name in ratios else 1.0
 
-    print(table(f"throughput, all requests at once (median of {REPS} runs; vs base: median of per-repetition ratios)",
-                ["run", "wall s", "output tok/s", "vs base"],
-                [[k, v["wall_s"], v["output_tok_s"], vs_base(k) if k in samples else v["output_tok_s"] / base] for k, v in thr.items()]))
+    def spread(name: str) -> str:
+        return f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f}" if name in ratios else ""
+
+    print(table(f"throughput, all requests at once (median of {REPS} repetitions; vs base: median of the ratios "
+                "to the base runs bracketing each run)",
+                ["run", "wall s", "output tok/s", "vs base", "vs base min-max"],
+                [[k, v["wall_s"], v["output_tok_s"], vs_base(k) if k in samples else v["output_tok_s"] / base, spread(k)]
+                 for k, v in thr.items()]))
 
     timed = with_poisson_arrivals(reqs, RATE, seed=5)
     rows, poisson_figs = [], {}
@@ -254,4 +272,4 @@ def main() -> None:
                                               "target_mix": TARGET_MIX, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS,
                                               "distinct_adapters": {k: len(set(v)) for k, v in runs.items() if k != "base_only"},
                                               "peft_requests": PEFT_REQUESTS, "rate_req_s": RATE, "repetitions": REPS},
-                                 "throughput": thr, "poisson": poisson_figs, "stress_ranks": stress}, targets)
+                                 "throughput": thr, "ratios_vs_base": ratios, "poisson": poisson_figs, "stress_ranks": stress}, targets)

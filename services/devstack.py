@@ -96,15 +96,32 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
+def seed_dev_database(database_url: str, kit, existing_key: str | None = None):
+    """Migrate to head and seed what `mplex up` serves: the demo tenant, users and key, the base model's
+    row, and the demo price book (which references that row). Idempotent; returns the seed."""
+    from services.adapters.base_model import ensure_base_model
+    from services.billing.pricebook import seed_demo_prices
+    from services.common.db import make_engine, make_sessionmaker, session_scope
+    from services.common.migrate import upgrade
+    from services.gateway.seed import seed_demo
+
+    upgrade(database_url)
+    engine = make_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        with session_scope(make_sessionmaker(engine)) as s:
+            seed = seed_demo(s, existing_key=existing_key)
+            ensure_base_model(s, name=kit.model_name, model_dir=kit.base_dir)
+            seed_demo_prices(s, base_model=kit.model_name, plans=("default",))
+    finally:
+        engine.dispose()
+    return seed
+
+
 def run_up(home: Path) -> None:
     """Embedded Postgres + Redis, migrations, demo seed, two engines, a Celery worker + beat, the
     gateway serving the web app. Prints how to use it and writes it all to <home>/dev.json."""
-    from services.common.db import make_engine, make_sessionmaker, session_scope
     from services.common.embedded import embedded_services
-    from services.common.migrate import upgrade
     from services.common.settings import Settings
-    from services.gateway.seed import seed_demo
-    from services.billing.pricebook import seed_demo_prices
     from services.modelkit import ensure_demo
 
     kit = ensure_demo(home)
@@ -115,12 +132,7 @@ def run_up(home: Path) -> None:
     print(">> starting embedded PostgreSQL and Redis", flush=True)
     with embedded_services(settings) as urls:
         try:
-            upgrade(urls.database_url)
-            engine = make_engine(urls.database_url, pool_size=1, max_overflow=0)
-            with session_scope(make_sessionmaker(engine)) as s:
-                seed = seed_demo(s, existing_key=previous.get("api_key"))
-                seed_demo_prices(s, base_model=kit.model_name, plans=("default",))
-            engine.dispose()
+            seed = seed_dev_database(urls.database_url, kit, existing_key=previous.get("api_key"))
             os.environ.update(urls.as_env())  # in-process helpers below (adapter seeding) see the same servers
             env = {**urls.as_env(), "MPLEX_HOME": str(home), "MPLEX_BASE_MODEL_DIR": str(kit.base_dir),
                    "MPLEX_BASE_MODEL_NAME": kit.model_name, "OMP_NUM_THREADS": "1"}

@@ -1,0 +1,40 @@
+"""`mplex up` seeds a brand-new database: a fresh machine has no rows at all (the price book references the
+base model's row, which nothing else creates before the first adapter upload)."""
+import uuid
+
+import pytest
+from sqlalchemy import func, make_url, select, text
+
+from services.common.db import make_engine
+from services.common.models import BaseModelRecord, Price
+from services.devstack import seed_dev_database
+
+
+@pytest.fixture
+def empty_database(service_urls):
+    server = make_url(service_urls.database_url)
+    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False),
+                        pool_size=1, max_overflow=0, isolation_level="AUTOCOMMIT")
+    name = f"mplex_dev_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    yield server.set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def test_a_fresh_database_is_seeded_and_a_second_run_reuses_the_key(empty_database, demo_kit):
+    first = seed_dev_database(empty_database, demo_kit)
+    assert first.api_key.startswith("mpx_")
+    again = seed_dev_database(empty_database, demo_kit, existing_key=first.api_key)
+    assert again.api_key == first.api_key
+    engine = make_engine(empty_database, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(BaseModelRecord)
+                               .where(BaseModelRecord.name == demo_kit.model_name)) == 1
+            assert conn.scalar(select(func.count()).select_from(Price)
+                               .where(Price.base_model == demo_kit.model_name, Price.plan == "default")) == 1
+    finally:
+        engine.dispose()
