@@ -1,6 +1,7 @@
 """The engine's step loop: schedule, run, post-process (detokenize, stop, finish, account)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -209,17 +210,11 @@ class LLMEngine:
             return
         window = min(self.adapters.host_room(), 2 * self.config.lora.max_loras)
         wanted: dict[str, AdapterRef] = {}
-        scanned = 0
-        for queue in self.scheduler.waiting.values():
-            for seq in queue:
-                scanned += 1
-                if seq.adapter is not None:
-                    wanted.setdefault(seq.adapter.content_id, seq.adapter)
-                if len(wanted) >= window or scanned >= 8 * window:
-                    break
-            else:
-                continue
-            break
+        for scanned, seq in enumerate(itertools.chain.from_iterable(self.scheduler.waiting.values()), 1):
+            if seq.adapter is not None:
+                wanted.setdefault(seq.adapter.content_id, seq.adapter)
+            if len(wanted) >= window or scanned >= 8 * window:
+                break
         self.adapters.want(list(wanted.values()))  # a failed load: _fail_adapter_loads refuses its requests
 
     def _fail_adapter_loads(self) -> list[RequestOutput]:

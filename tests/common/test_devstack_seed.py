@@ -1,27 +1,10 @@
 """`mplex up` seeds a brand-new database: a fresh machine has no rows at all (the price book references the
 base model's row, which nothing else creates before the first adapter upload)."""
-import uuid
-
-import pytest
-from sqlalchemy import func, make_url, select, text
+from sqlalchemy import func, select
 
 from services.common.db import make_engine
 from services.common.models import BaseModelRecord, Price
 from services.devstack import seed_dev_database
-
-
-@pytest.fixture
-def empty_database(service_urls):
-    server = make_url(service_urls.database_url)
-    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False),
-                        pool_size=1, max_overflow=0, isolation_level="AUTOCOMMIT")
-    name = f"mplex_dev_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield server.set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def test_a_fresh_database_is_seeded_and_a_second_run_reuses_the_key(empty_database, demo_kit):

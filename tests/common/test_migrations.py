@@ -1,10 +1,7 @@
 """Alembic: an empty database upgrades to head and back to base; head matches the models exactly."""
-import uuid
-
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, make_url, text
+from sqlalchemy import inspect, text
 
 from services.common.db import make_engine
 from services.common.migrate import current_revision, downgrade, head_revision, upgrade
@@ -17,20 +14,6 @@ TRIGGERS = {
     ("audit_log", "audit_log_append_only"),
     ("adapter_versions", "adapter_versions_immutable"),
 }
-
-
-@pytest.fixture
-def empty_database(service_urls):
-    server = make_url(service_urls.database_url)
-    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False),
-                        pool_size=1, max_overflow=0, isolation_level="AUTOCOMMIT")
-    name = f"mplex_migr_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield server.set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def public_tables(engine) -> set[str]:

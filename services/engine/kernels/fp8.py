@@ -4,8 +4,9 @@ quantize_fp8 stores each output row as float8_e4m3fn with scale = amax(row) / 44
 the full e4m3 range: half the bytes of bf16 for ~2-3% relative weight error (see the tests/README).
 fp8_linear runs torch._scaled_mm on GPUs with FP8 tensor cores (sm89+), quantizing activations per
 token on the fly; elsewhere (CPU) it widens the FP8 weight exactly to x's dtype for the matmul and
-applies the per-channel scale to the output. fp8_linear_ref is the fp32 definition both are tested against. The embedding table is stored the same
-way (a row per token) and fp8_embedding widens only the rows a batch looks up.
+applies the per-channel scale to the output. fp8_linear_ref is the fp32 definition both are tested
+against. The embedding table is stored the same way (a row per token) and fp8_embedding widens only the
+rows a batch looks up.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def fp8_embedding(ids: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be int32/int64, got {ids.dtype}")
     rows = w.weight.index_select(0, ids.reshape(-1))
-    out = _widen_e4m3(rows).float() * (w.scale.index_select(0, ids.reshape(-1)) * 256.0)[:, None]
+    out = _widen_e4m3(rows).float() * (w.scale.index_select(0, ids.reshape(-1)) * _WIDEN_SCALE)[:, None]
     return out.to(dtype).reshape(*ids.shape, w.shape[1])
 
 
@@ -117,10 +118,13 @@ def _linear_dequant(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     # The per-channel scale commutes with the matmul, so it goes on the [T, out] result rather than
     # on the [out, in] weight; the weight only needs widening, done by bit moves (see _widen_e4m3).
     wide = _widen_e4m3(w.weight)
-    scale = w.scale * 256.0  # _widen_e4m3 yields weight / 256
+    scale = w.scale * _WIDEN_SCALE
     if x.dtype == torch.float32:
         return F.linear(x, wide.float()).mul_(scale)
     return (F.linear(x, wide.to(x.dtype)).float() * scale).to(x.dtype)
+
+
+_WIDEN_SCALE = 256.0  # _widen_e4m3 yields weight / 256
 
 
 def _widen_e4m3(q: torch.Tensor) -> torch.Tensor:

@@ -133,26 +133,29 @@ class AdapterManager:
         self._loading.add(cid)
         self._pool.submit(self._load, ref)
 
-    def want(self, refs: list[AdapterRef]) -> list[tuple[AdapterRef, AdapterFormatError]]:
+    def want(self, refs: list[AdapterRef]) -> None:
         """The adapters the next admissions need, most urgent first (at most `host_room()` of them):
-        each is loaded unless resident, and no load evicts one of them from the host tier. Returns
-        the ones known to be bad."""
+        each is loaded unless resident, and no load evicts one of them from the host tier. A bad one
+        stays recorded as failed; `poll` reports it."""
         self._wanted = {r.content_id for r in refs}
-        bad = []
         for ref in refs:
             try:
                 self.request(ref, evict=True)
-            except AdapterFormatError as exc:
-                bad.append((ref, exc))
-        return bad
+            except AdapterFormatError:
+                pass
 
     def host_room(self) -> int:
         """How many adapters the host tier can hold besides those pinned by running sequences."""
         return max(1, self.config.max_cpu_loras - self.num_pinned)
 
-    def _evictable(self, cid: str) -> bool:
-        slot = self._slot_of.get(cid)
-        return slot is None or self._pins[slot] == 0
+    def _victim(self, *, spare_wanted: bool) -> str | None:
+        """The least recently used host entry nothing running pins (and, with `spare_wanted`, that no
+        queued request wants), or None."""
+        for cid in self._host:
+            slot = self._slot_of.get(cid)
+            if (slot is None or self._pins[slot] == 0) and not (spare_wanted and cid in self._wanted):
+                return cid
+        return None
 
     def _make_room(self, evict: bool) -> bool:
         """A host entry for one more load (counting the loads in flight). With `evict`, the least recently
@@ -160,7 +163,7 @@ class AdapterManager:
         while len(self._host) + len(self._loading) >= self.config.max_cpu_loras:
             if not evict:
                 return False
-            victim = next((c for c in self._host if self._evictable(c) and c not in self._wanted), None)
+            victim = self._victim(spare_wanted=True)
             if victim is None:
                 return False
             self._host.pop(victim)
@@ -233,8 +236,7 @@ class AdapterManager:
         """Back under the limit after a load (a synchronous load may bypass `_make_room`): unwanted
         victims first, then any the running sequences do not pin."""
         while len(self._host) > self.config.max_cpu_loras:
-            victim = next((c for c in self._host if self._evictable(c) and c not in self._wanted), None)
-            victim = victim or next((c for c in self._host if self._evictable(c)), None)
+            victim = self._victim(spare_wanted=True) or self._victim(spare_wanted=False)
             if victim is None:
                 return
             self._host.pop(victim)
