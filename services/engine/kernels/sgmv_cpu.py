@@ -126,15 +126,19 @@ def lora_apply_classed(
     b_stacks: Sequence[torch.Tensor | None],
     ranks: Sequence[Sequence[int]],
     plan: GroupPlan,
+    *,
+    check: bool = True,
 ) -> None:
     """y += LoRA delta of every planned token, in place.
 
     x [T, in], y [T, out] (row-major); a_stacks[c] [cap, in, width_c] = A^T per entry, b_stacks[c]
     [cap, width_c, out] = B^T per entry (scale folded in, zero beyond the entry's rank); ranks[c][e] =
-    entry e's packed rank in this layer (long segments use exactly that many columns)."""
+    entry e's packed rank in this layer (long segments use exactly that many columns). `check=False` skips
+    validating shapes, dtypes and strides: for callers that checked the same operands' shapes already."""
     if plan.is_empty:
         return
-    _check(x, y, a_stacks, b_stacks, plan)
+    if check:
+        _check(x, y, a_stacks, b_stacks, plan)
     d_in, d_out = x.shape[1], y.shape[1]
     if plan.batches:
         grid = x.index_select(0, plan.gather)

@@ -74,6 +74,9 @@ class CpuSlotStacks:
                                  for w in class_widths(max_rank * len(parts))]
         self._entries: list[dict[str, tuple[int, int]]] = [{} for _ in range(max_slots)]  # slot -> group -> (cls, entry)
         self._active = [False] * max_slots
+        # group -> per layer (A stacks, B stacks, ranks) by class: a step indexes these 16 times, and a
+        # tensor's __getitem__ costs a dispatch; rebuilt when a pool grows (its tensors are replaced).
+        self._views: dict[str, list[tuple[list, list, list]]] = {}
 
     # -- install / evict -------------------------------------------------------------------------
     def install(self, slot: int, weights: LoraWeights) -> None:
@@ -131,6 +134,7 @@ class CpuSlotStacks:
             a[:, :old].copy_(pool.a)
             b[:, :old].copy_(pool.b)
         pool.a, pool.b = a, b
+        self._views.clear()
         for ranks in pool.ranks:
             ranks.extend([0] * (new - old))
         pool.owner.extend([None] * (new - old))
@@ -172,9 +176,16 @@ class CpuSlotStacks:
         return {group: plan_group(meta, lambda slot, g=group: self._entries[slot].get(g)) for group in self.slices}
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: GroupPlan) -> None:
-        pools = self.pools[group]
-        lora_apply_classed(x, y, [None if p.a is None else p.a[layer] for p in pools],
-                           [None if p.b is None else p.b[layer] for p in pools], [p.ranks[layer] for p in pools], plan)
+        views = self._views.get(group)
+        if views is None:
+            pools = self.pools[group]
+            views = self._views[group] = [
+                ([None if p.a is None else p.a[layer] for p in pools], [None if p.b is None else p.b[layer] for p in pools],
+                 [p.ranks[layer] for p in pools])
+                for layer in range(self.num_layers)]
+        a, b, ranks = views[layer]
+        # Every layer of a group has the same shapes: checking the first layer's call checks them all.
+        lora_apply_classed(x, y, a, b, ranks, plan, check=layer == 0)
 
     # -- views and checks ----------------------------------------------------------------------------
     @property

@@ -181,6 +181,23 @@ def test_pools_grow_with_installed_adapters_only():
     assert cs.nbytes > 0 and cs.pools["o"][0].capacity == 0
 
 
+def test_steps_after_a_pool_grows_read_the_grown_stacks():
+    """apply caches each layer's views of the stacks; growing a pool replaces its tensors, so a step
+    after the growth must not read the old ones (it would miss the new adapters' weights)."""
+    cs = stacks(max_slots=12)
+    owners = {s: make_adapter(40 + s, ["q_proj", "up_proj"], {(l, m): 2 for l in range(LAYERS) for m in ("q_proj", "up_proj")})
+              for s in range(10)}
+    cs.install(0, owners[0])
+    cs.activate(0)
+    check_all(cs, torch.tensor([0, -1, 0]), {0: owners[0]})  # caches views of 4-entry pools
+    before = [p.capacity for p in cs.pools["qkv"]]
+    for s in range(1, 10):
+        cs.install(s, owners[s])
+        cs.activate(s)
+    assert [p.capacity for p in cs.pools["qkv"]] != before  # the pools grew
+    check_all(cs, torch.tensor([0, 3, 3, 5, 9, 9, -1, 7, 1, 1, 1, 1, 1, 1]), owners, seed=3)
+
+
 def test_class_widths_double_up_to_the_largest_packed_rank():
     assert class_widths(192) == (4, 8, 16, 32, 64, 128, 192)
     assert class_widths(24) == (4, 8, 16, 24)
