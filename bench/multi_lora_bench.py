@@ -66,6 +66,11 @@ def build_adapters(kit, root: Path, n: int, ranks: tuple[int, ...] = RANKS):
     return refs
 
 
+def default_adapter_root() -> Path:
+    """Where the random benchmark adapters are cached across runs."""
+    return Path(os.environ.get("MPLEX_HOME", ".mplex")) / "bench" / "adapters"
+
+
 def assign(n: int, adapters, popularity: str, seed: int = 3):
     rng = random.Random(seed)
     if popularity == "uniform":
@@ -189,7 +194,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("MPLEX_BENCH_THREADS", "2")))
     kit = ensure_demo()
-    root = Path(os.environ.get("MPLEX_HOME", ".mplex")) / "bench" / "adapters"
+    root = default_adapter_root()
     reqs = mixed_workload(kit, N_REQUESTS, seed=11)
     runs: dict[str, list] = {"base_only": [None] * len(reqs)}
     for mix, ranks in RANK_MIXES.items():
