@@ -129,6 +129,9 @@ def run_up(home: Path) -> None:
     previous = _read_json(home / "dev.json")
     sup = Supervisor(home / "logs")
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C stops everything even when we were started with SIGINT ignored (a shell's background job
+    # inherits that, and Python then never raises KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(">> starting embedded PostgreSQL and Redis", flush=True)
     with embedded_services(settings) as urls:
         try:
