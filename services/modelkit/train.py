@@ -54,8 +54,9 @@ def collate(batch: Sequence[Encoded], pad_id: int) -> Batch:
 
     Padding every example to the longest one made 30% of a base-model step's tokens pads (its corpus
     mixes short and long tasks). An adapter's examples are of similar lengths, so most of its rows still
-    hold one example. (Rows twice as wide pack more but trained measurably weaker demo adapters.) Position ids restart at 0 for every example, which
-    transformers reads as packed sequences and masks block-diagonally, so no example attends to another:
+    hold one example. (Rows twice as wide packed more, but the one kit built with them had weaker demo
+    adapters.) Position ids restart at 0 for every example, which transformers reads as packed sequences
+    and masks block-diagonally, so no example attends to another:
     the same computation as one row per example, on fewer rows. The pads filling a row's tail continue its
     last example's positions and come after it, so causal attention keeps them out of every real token.
     """
