@@ -1,6 +1,6 @@
 """Where a multi-LoRA step's time goes: one realistic decode step, with and without LoRA, on the same inputs.
 
-    python -m bench.lora_step [zipf|uniform] [proportional|stress] [--profile]
+    python -m bench.lora_step [zipf|uniform] [proportional|stress] [native|torch] [--profile]
 
 Runs the multi-LoRA benchmark's workload on the engine until a step schedules at least 200 decode rows
 with adapters, then times on that step's exact inputs (same KV, same slots): the base forward, the forward
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> None:
 
     popularity = next((a for a in argv if a in ("zipf", "uniform")), "zipf")
     mix = next((a for a in argv if a in mlb.RANK_MIXES), mlb.TARGET_MIX)
+    mlb.CPU_KERNEL = next((a for a in argv if a in ("native", "torch")), mlb.CPU_KERNEL)
     torch.set_num_threads(2)
     kit = ensure_demo(progress=False)
     reqs = mixed_workload(kit, mlb.N_REQUESTS, seed=11)
@@ -72,13 +73,16 @@ def main(argv: list[str]) -> None:
                 times["LoRA forward (incl. plan)"].append(t3 - t1)
                 times["16 applications"].append(t4 - t3)
         slots = inp.token_slots.tolist()
-        print(f"{popularity}/{mix}: step of {len(slots)} rows, {len(set(slots) - {-1})} adapters")
+        print(f"{popularity}/{mix}, {manager.cpu_kernel} kernel: step of {len(slots)} rows, {len(set(slots) - {-1})} adapters")
         for name, ts in times.items():
             print(f"  {name:>26}: {1000 * statistics.median(ts[5:]):7.2f} ms (median of {REPS - 5})")
         base, lora = (statistics.median(times[k][5:]) for k in ("base forward", "LoRA forward (incl. plan)"))
         print(f"  forward ratio base/LoRA: {base / lora:.3f}")
-        for group, plan_g in hook.cpu_plan.items() if hook.cpu_plan else ():
-            print(f"  {group:>8}: {len(plan_g.batches)} class grids ({plan_g.cells} cells), {len(plan_g.long)} long segments")
+        if isinstance(hook.cpu_plan, dict):
+            for group, plan_g in hook.cpu_plan.items():
+                print(f"  {group:>8}: {len(plan_g.batches)} class grids ({plan_g.cells} cells), {len(plan_g.long)} long segments")
+        elif hook.cpu_plan is not None:
+            print(f"  {hook.cpu_plan.short.shape[0]} short segments (C kernel), {len(hook.cpu_plan.long)} long (MKL)")
         if "--profile" in argv:
             from torch.profiler import profile
 

@@ -35,6 +35,8 @@ N_REQUESTS = int(os.environ.get("MPLEX_BENCH_LORA_REQUESTS", "384"))
 PEFT_REQUESTS = int(os.environ.get("MPLEX_BENCH_PEFT_REQUESTS", "128"))  # PEFT is slow: a prefix of the same requests
 RATE = float(os.environ.get("MPLEX_BENCH_LORA_RATE", "12"))
 REPS = int(os.environ.get("MPLEX_BENCH_LORA_REPS", "5"))
+# The CPU LoRA kernel: auto (native C when it builds, else torch), native or torch (lora.cpu_kernel).
+CPU_KERNEL = os.environ.get("MPLEX_BENCH_LORA_KERNEL", "auto")
 # Fewer device slots than the distinct adapters either popularity draws (zipf ~110, uniform ~190), and a
 # host tier that cannot hold all 256 either: slots are swapped and adapters evicted during the run.
 MAX_LORAS, MAX_CPU_LORAS = 96, 192
@@ -89,7 +91,7 @@ def _engine(kit):
         model_dir=kit.base_dir, served_model_name=kit.model_name,
         cache=CacheConfig(memory_bytes=1024 * 2**20),
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=1024),
-        lora=LoraConfig(max_loras=MAX_LORAS, max_cpu_loras=MAX_CPU_LORAS, max_lora_rank=64),
+        lora=LoraConfig(max_loras=MAX_LORAS, max_cpu_loras=MAX_CPU_LORAS, max_lora_rank=64, cpu_kernel=CPU_KERNEL),
     ))
 
 
@@ -119,7 +121,8 @@ def throughput(kit, reqs: list[BenchRequest], adapters: list) -> dict:
     if a is not None:
         a.shutdown()
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall, "steps": engine.stats.steps,
-            "distinct_adapters": len({x.content_id for x in adapters if x}), "slot_loads": a.slot_loads if a else 0}
+            "distinct_adapters": len({x.content_id for x in adapters if x}), "slot_loads": a.slot_loads if a else 0,
+            "cpu_kernel": a.cpu_kernel if a else ""}
 
 
 def poisson(kit, reqs: list[BenchRequest], adapters: list) -> list[Timing]:
@@ -202,7 +205,7 @@ def main() -> None:
         for popularity in ("zipf", "uniform"):
             runs[f"{mix}_{popularity}"] = assign(len(reqs), refs, popularity)
     print(f"workload: {len(reqs)} requests over {N_ADAPTERS} adapters per rank mix {RANK_MIXES}; device slots "
-          f"{MAX_LORAS}, host tier {MAX_CPU_LORAS}; distinct adapters used: "
+          f"{MAX_LORAS}, host tier {MAX_CPU_LORAS}; CPU LoRA kernel {CPU_KERNEL}; distinct adapters used: "
           + ", ".join(f"{k}={len(set(v))}" for k, v in runs.items() if k != "base_only"), flush=True)
 
     samples: dict[str, list[dict]] = {name: [] for name in runs}
@@ -276,5 +279,6 @@ def main() -> None:
     write_results("multi_lora", {"workload": {"requests": len(reqs), "adapters_per_mix": N_ADAPTERS, "rank_mixes": RANK_MIXES,
                                               "target_mix": TARGET_MIX, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS,
                                               "distinct_adapters": {k: len(set(v)) for k, v in runs.items() if k != "base_only"},
-                                              "peft_requests": PEFT_REQUESTS, "rate_req_s": RATE, "repetitions": REPS},
+                                              "peft_requests": PEFT_REQUESTS, "rate_req_s": RATE, "repetitions": REPS,
+                                              "cpu_kernel": thr[f"{TARGET_MIX}_zipf"]["cpu_kernel"]},
                                  "throughput": thr, "ratios_vs_base": ratios, "poisson": poisson_figs, "stress_ranks": stress}, targets)

@@ -197,8 +197,13 @@ class LoraConfig:
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     enabled: bool = True
+    # CPU only: "native" = the C SGMV kernel (kernels/sgmv_native.py, fp32), "torch" = batched torch ops
+    # (kernels/sgmv_cpu.py), "auto" = native when it builds here and the dtype is fp32, else torch.
+    cpu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_kernel not in ("auto", "native", "torch"):
+            raise ConfigError(f"lora cpu_kernel must be auto, native or torch, got {self.cpu_kernel!r}")
         if self.max_loras <= 0 or self.max_cpu_loras < self.max_loras:
             raise ConfigError("need max_loras > 0 and max_cpu_loras >= max_loras")
         if not 0 < self.max_lora_rank <= 512:

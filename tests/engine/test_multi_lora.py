@@ -113,18 +113,26 @@ def _check(name, engine, workload, refs_of, peft_refs):
     log.write()
 
 
-def test_sixteen_plus_adapters_in_one_batch_match_peft(demo_kit, workload, refs_of, peft_refs):
+# Both CPU paths: the native C kernel (the default wherever it builds) and the batched-torch fallback.
+KERNELS = pytest.mark.parametrize("kernel", ["native", "torch"])
+
+
+@KERNELS
+def test_sixteen_plus_adapters_in_one_batch_match_peft(demo_kit, workload, refs_of, peft_refs, kernel):
     distinct = {a for a, _ in workload if a}
-    engine = make_engine(demo_kit.base_dir, max_loras=len(distinct), max_cpu_loras=len(distinct))
-    _check("lora-batch", engine, workload, refs_of, peft_refs)
+    engine = make_engine(demo_kit.base_dir, max_loras=len(distinct), max_cpu_loras=len(distinct), lora_kernel=kernel)
+    assert engine.adapters.cpu_kernel == kernel
+    _check(f"lora-batch-{kernel}", engine, workload, refs_of, peft_refs)
     assert len(distinct) >= 16
 
 
-def test_more_adapters_than_slots_with_chunking_prefix_hits_and_preemption(demo_kit, workload, refs_of, peft_refs):
+@KERNELS
+def test_more_adapters_than_slots_with_chunking_prefix_hits_and_preemption(demo_kit, workload, refs_of, peft_refs, kernel):
     need = max(len(p) + MAX_NEW for _, p in workload)
     engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
-                         num_blocks=need // 4 + 30)
-    _check("lora-stress", engine, workload, refs_of, peft_refs)
+                         num_blocks=need // 4 + 30, lora_kernel=kernel)
+    assert engine.adapters.cpu_kernel == kernel
+    _check(f"lora-stress-{kernel}", engine, workload, refs_of, peft_refs)
     assert engine.scheduler.num_preemptions > 0
     assert engine.adapters.slot_loads > len({a for a, _ in workload if a})  # evicted and reloaded
     assert engine.metrics.prefix_hit_tokens._value.get() > 0

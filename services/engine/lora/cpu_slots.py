@@ -175,7 +175,7 @@ class CpuSlotStacks:
     def plan(self, meta: SgmvMeta) -> dict[str, GroupPlan]:
         return {group: plan_group(meta, lambda slot, g=group: self._entries[slot].get(g)) for group in self.slices}
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: GroupPlan) -> None:
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plans: dict[str, GroupPlan]) -> None:
         views = self._views.get(group)
         if views is None:
             pools = self.pools[group]
@@ -185,7 +185,7 @@ class CpuSlotStacks:
                 for layer in range(self.num_layers)]
         a, b, ranks = views[layer]
         # Every layer of a group has the same shapes: checking the first layer's call checks them all.
-        lora_apply_classed(x, y, a, b, ranks, plan, check=layer == 0)
+        lora_apply_classed(x, y, a, b, ranks, plans[group], check=layer == 0)
 
     # -- views and checks ----------------------------------------------------------------------------
     @property

@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 from services.common.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError
-from services.engine.config import LoraConfig, ModelConfig
+from services.engine.config import ConfigError, LoraConfig, ModelConfig
+from services.engine.kernels import sgmv_native
 from services.engine.lora.cpu_slots import CpuSlotStacks
+from services.engine.lora.native_slots import NativeSlotTable
 from services.engine.lora.weights import LoraWeights, load_lora, module_dims
 from services.engine.sequence import AdapterRef, Sequence
 
@@ -38,10 +40,11 @@ class ModuleStack:
     ranks: torch.Tensor  # [slots] int32; 0 = this slot's adapter does not target this module
 
 
-# Projections that read the same input are applied as one group. On the CPU a group's adapters live
-# in rank-class stacks (cpu_slots.py: A packs the slices' rows, B is block-diagonal), applied with a few
-# batched ops per step (dispatch, not FLOPs, is what a small CPU matmul costs). On CUDA each slice
-# keeps its own per-slot stack and the Triton kernels run per slice with an output offset.
+# Projections that read the same input are applied as one group. On the CPU a group's adapters are
+# applied by the native C kernel from per-slot exact-rank buffers (native_slots.py) or, where it cannot
+# build or the dtype is not fp32, from rank-class stacks with a few batched torch ops per step
+# (cpu_slots.py). On CUDA each slice keeps its own per-slot stack and the Triton kernels run per slice
+# with an output offset.
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -84,11 +87,19 @@ class AdapterManager:
                 parts.append((m, off, dims[m][1]))
                 off += dims[m][1]
             self.slices[group] = parts
-        # CPU: rank-class stacks per group. CUDA: stacks[layer][module], the SGMV kernels' operands.
-        self.cpu: CpuSlotStacks | None = None
+        # CPU: native per-slot buffers or torch rank-class stacks per group. CUDA: stacks[layer][module],
+        # the SGMV kernels' operands.
+        self.cpu: NativeSlotTable | CpuSlotStacks | None = None
+        self.cpu_kernel = ""  # "native" or "torch" on the CPU
         self.stacks: list[dict[str, ModuleStack]] = []
         if self.fused:
-            self.cpu = CpuSlotStacks(model.num_layers, self.slices, dims, max_rank=r, max_slots=n, dtype=dtype, device=device)
+            kernel = self._native_kernel(config, dtype)
+            if kernel is not None:
+                self.cpu = NativeSlotTable(model.num_layers, self.slices, dims, max_slots=n, kernel=kernel)
+                self.cpu_kernel = "native"
+            else:
+                self.cpu = CpuSlotStacks(model.num_layers, self.slices, dims, max_rank=r, max_slots=n, dtype=dtype, device=device)
+                self.cpu_kernel = "torch"
         else:
             for _ in range(model.num_layers):
                 self.stacks.append({
@@ -111,6 +122,22 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
         self.load_events: list[LoadEvent] = []  # drained by metrics
         self.slot_loads = 0
+
+    @staticmethod
+    def _native_kernel(config: LoraConfig, dtype: torch.dtype) -> sgmv_native.NativeSgmv | None:
+        if config.cpu_kernel == "torch":
+            return None
+        if dtype != torch.float32:
+            if config.cpu_kernel == "native":
+                raise ConfigError(f"the native CPU LoRA kernel is fp32 only; the engine runs in {dtype}")
+            return None
+        try:
+            return sgmv_native.load()
+        except sgmv_native.NativeKernelUnavailable as exc:
+            if config.cpu_kernel == "native":
+                raise ConfigError(f"lora cpu_kernel=native, but {exc}") from exc
+            log.warning("native CPU LoRA kernel unavailable, using the torch path: %s", exc)
+            return None
 
     # -- host tier -----------------------------------------------------------------------------
     def request(self, ref: AdapterRef, *, evict: bool = False) -> None:

@@ -13,12 +13,13 @@ class StepLora:
     def __init__(self, manager: AdapterManager, token_slots: torch.Tensor):
         self.manager = manager
         self.meta = build_sgmv_meta(token_slots)
-        # CPU: each group's class grids and long segments, planned once for all layers.
+        # CPU: the step's segments (native kernel) or each group's class grids (torch path), planned once
+        # for all layers.
         self.cpu_plan = manager.cpu.plan(self.meta) if manager.cpu is not None else None
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.cpu_plan is not None:
-            self.manager.cpu.apply(layer, group, x, out, self.cpu_plan[group])
+            self.manager.cpu.apply(layer, group, x, out, self.cpu_plan)
             return
         stacks = self.manager.stacks[layer]
         for module, offset, _ in self.manager.slices[group]:

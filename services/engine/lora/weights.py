@@ -1,15 +1,17 @@
 """Reads a PEFT LoRA adapter into per-(layer, module) A and scaled-B tensors, refusing anything malformed."""
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from services.common.lora_format import (
     FLOAT_DTYPES,
     SUPPORTED_MODULES,
+    TensorInfo,
     WEIGHTS_FILE,
     AdapterFormatError,
     content_id,
@@ -20,6 +22,7 @@ from services.common.lora_format import (
 from services.engine.config import ModelConfig
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -90,16 +93,31 @@ def load_lora(
         if key.which in slot:
             raise AdapterFormatError("duplicate_tensor", f"two lora_{key.which} tensors for layer {key.layer} {key.module}")
         slot[key.which] = tensor_name
+    # One read of the whole file, its header validated above (offsets inside the data, no overlaps, sizes
+    # matching dtype x shape); then a few ops per tensor: loads run on worker threads beside the step loop,
+    # and every Python-level op holds the GIL the step loop needs.
+    raw = _read_tensors(weights, {name: header[name] for names in pairs.values() for name in names.values()})
+    checked = [raw[name] for names in pairs.values() for name in names.values()]
+    for (layer, module), names in sorted(pairs.items()):
+        if set(names) != {"A", "B"}:
+            raise AdapterFormatError("missing_tensor", f"layer {layer} {module} has lora_{''.join(names)} but not its pair")
+    if not bool(torch.isfinite(torch.cat([t.reshape(-1).float() for t in checked])).all()):
+        bad = next(key for key, names in sorted(pairs.items())
+                   if not all(bool(torch.isfinite(raw[n].float()).all()) for n in names.values()))
+        raise AdapterFormatError("nan_weights", f"layer {bad[0]} {bad[1]} has NaN or Inf weights")
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    with safe_open(str(weights), framework="pt") as f:
-        for (layer, module), names in sorted(pairs.items()):
-            if set(names) != {"A", "B"}:
-                raise AdapterFormatError("missing_tensor", f"layer {layer} {module} has lora_{''.join(names)} but not its pair")
-            a = f.get_tensor(names["A"]).float()
-            b = f.get_tensor(names["B"]).float()
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise AdapterFormatError("nan_weights", f"layer {layer} {module} has NaN or Inf weights")
-            module_key = parse_tensor_key(names["A"]).module_key
-            scale = cfg.scale_for(module_key, a.shape[0])
-            tensors[(layer, module)] = (a.to(dtype).contiguous(), (b * scale).to(dtype).contiguous())
+    for (layer, module), names in sorted(pairs.items()):
+        a, b = raw[names["A"]], raw[names["B"]]
+        scale = cfg.scale_for(parse_tensor_key(names["A"]).module_key, a.shape[0])
+        # clone: A must not alias the file's buffer (B's multiply makes a copy of its own)
+        tensors[(layer, module)] = (a.to(dtype).clone(), b.float().mul(scale).to(dtype).contiguous())
     return LoraWeights(cid, name or adapter_dir.name, max(a.shape[0] for a, _ in tensors.values()), tensors)
+
+
+def _read_tensors(path: Path, infos: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """The named tensors of a safetensors file whose header read_safetensors_header has validated."""
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    base = 8 + n
+    return {name: torch.frombuffer(data, dtype=_TORCH_DTYPES[info.dtype], count=math.prod(info.shape), offset=base + info.start)
+            .view(info.shape) for name, info in infos.items()}

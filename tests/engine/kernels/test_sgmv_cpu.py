@@ -14,49 +14,7 @@ from services.engine.kernels import build_sgmv_meta
 from services.engine.kernels.sgmv_cpu import SHORT_ROWS, GroupPlan, lora_apply_classed, plan_group
 from services.engine.lora.cpu_slots import CpuSlotStacks, class_widths
 from services.engine.lora.weights import LoraWeights
-
-LAYERS = 2
-DIMS = {"q_proj": (16, 16), "k_proj": (16, 8), "v_proj": (16, 8), "o_proj": (16, 16),
-        "gate_proj": (16, 24), "up_proj": (16, 24), "down_proj": (24, 16)}
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
-MAX_RANK = 8
-
-
-def slices():
-    out = {}
-    for group, modules in GROUPS.items():
-        off, parts = 0, []
-        for m in modules:
-            parts.append((m, off, DIMS[m][1]))
-            off += DIMS[m][1]
-        out[group] = parts
-    return out
-
-
-def make_adapter(seed: int, targets: list[str], ranks: dict[tuple[int, str], int]) -> LoraWeights:
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(LAYERS):
-        for m in targets:
-            r = ranks[(layer, m)]
-            d_in, d_out = DIMS[m]
-            tensors[(layer, m)] = (torch.randn(r, d_in, generator=g), torch.randn(d_out, r, generator=g) / r)
-    return LoraWeights(f"cid{seed}", f"a{seed}", max(ranks.values()), tensors)
-
-
-def oracle(x, y, layer, group, token_slots, owners: dict[int, LoraWeights]):
-    out = y.clone()
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot < 0:
-            continue
-        w = owners[slot]
-        for m, off, size in slices()[group]:
-            pair = w.tensors.get((layer, m))
-            if pair is not None:
-                a, b = pair
-                out[t, off : off + size] += (x[t] @ a.t()) @ b.t()
-    return out
-
+from tests.engine.kernels.lora_oracle import DIMS, GROUPS, LAYERS, MAX_RANK, make_adapter, oracle, slices
 
 def stacks(max_slots: int, dtype=torch.float32) -> CpuSlotStacks:
     return CpuSlotStacks(LAYERS, slices(), DIMS, max_rank=MAX_RANK, max_slots=max_slots, dtype=dtype)
@@ -76,7 +34,7 @@ def check_all(cs: CpuSlotStacks, token_slots: torch.Tensor, owners, seed=0, atol
         for group in GROUPS:
             x, y = group_input(group, len(token_slots), seed + layer)
             want = oracle(x, y, layer, group, token_slots, owners)
-            cs.apply(layer, group, x, y, plans[group])
+            cs.apply(layer, group, x, y, plans)
             torch.testing.assert_close(y, want, atol=atol, rtol=1e-4, msg=f"layer {layer} group {group}")
 
 
@@ -217,7 +175,7 @@ def test_bf16_stacks_follow_the_oracle_within_bf16_rounding():
     x, y = group_input("qkv", len(token_slots), 5)
     want = oracle(x, y, 0, "qkv", token_slots, owners)
     got = y.bfloat16()
-    cs.apply(0, "qkv", x.bfloat16(), got, plans["qkv"])
+    cs.apply(0, "qkv", x.bfloat16(), got, plans)
     torch.testing.assert_close(got.float(), want, atol=0.15, rtol=0.05)
 
 
@@ -228,14 +186,15 @@ def test_apply_refuses_operands_that_do_not_fit_the_plan():
     cs = stacks(max_slots=2)
     cs.install(0, make_adapter(4, ["q_proj"], {(l, "q_proj"): 2 for l in range(LAYERS)}))
     cs.activate(0)
-    plan = cs.plan(build_sgmv_meta(torch.tensor([0, 0])))["qkv"]
+    plans = cs.plan(build_sgmv_meta(torch.tensor([0, 0])))
+    plan = plans["qkv"]
     x, y = group_input("qkv", 2, 0)
     with pytest.raises(ValueError, match="rows"):
-        cs.apply(0, "qkv", x[:1], y[:1], plan)
+        cs.apply(0, "qkv", x[:1], y[:1], plans)
     with pytest.raises(ValueError, match="dtype"):
-        cs.apply(0, "qkv", x.double(), y, plan)
+        cs.apply(0, "qkv", x.double(), y, plans)
     with pytest.raises(ValueError, match="row-major"):
-        cs.apply(0, "qkv", x, y.t().contiguous().t(), plan)
+        cs.apply(0, "qkv", x, y.t().contiguous().t(), plans)
     with pytest.raises(ValueError, match="do not fit"):
         lora_apply_classed(x, y[:, :8], [p.a[0] if p.a is not None else None for p in cs.pools["qkv"]],
                            [p.b[0] if p.b is not None else None for p in cs.pools["qkv"]], [[2]] * 2, plan)

@@ -1,0 +1,220 @@
+"""The native CPU SGMV kernel and its slot table against the per-token oracle; its refusals; its fallback."""
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.engine.config import ConfigError, LoraConfig, ModelConfig
+from services.engine.kernels import build_sgmv_meta, sgmv_native
+from services.engine.lora.native_slots import NativeSlotTable
+from tests.engine.kernels.lora_oracle import DIMS, GROUPS, LAYERS, MAX_RANK, make_adapter, oracle, slices
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return sgmv_native.load()
+
+
+def table(kernel, max_slots: int, long_rows: int = 32) -> NativeSlotTable:
+    return NativeSlotTable(LAYERS, slices(), DIMS, max_slots=max_slots, kernel=kernel, long_rows=long_rows)
+
+
+def group_input(group: str, t: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d_in = DIMS[GROUPS[group][0]][0]
+    d_out = sum(DIMS[m][1] for m in GROUPS[group])
+    return torch.randn(t, d_in, generator=g), torch.randn(t, d_out, generator=g)
+
+
+def check_all(tb: NativeSlotTable, token_slots: torch.Tensor, owners, seed=0):
+    plan = tb.plan(build_sgmv_meta(token_slots))
+    for layer in range(LAYERS):
+        for group in GROUPS:
+            x, y = group_input(group, len(token_slots), seed + layer)
+            want = oracle(x, y, layer, group, token_slots, owners)
+            tb.apply(layer, group, x, y, plan)
+            torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4, msg=f"layer {layer} group {group}")
+    return plan
+
+
+adapter_spec = st.tuples(
+    st.lists(st.sampled_from(sorted(DIMS)), min_size=1, max_size=7, unique=True),  # targets
+    st.integers(1, MAX_RANK),  # rank
+    st.booleans(),  # vary the rank per layer (rank_pattern)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=st.lists(adapter_spec, min_size=1, max_size=6),
+    counts=st.lists(st.integers(0, 9), min_size=7, max_size=7),  # rows per slot; index 6 = base rows (slot -1)
+    long_rows=st.integers(1, 8),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_native_apply_matches_the_per_token_oracle(kernel, specs, counts, long_rows, shuffle, seed):
+    tb = table(kernel, max_slots=len(specs) + 1, long_rows=long_rows)
+    owners = {}
+    for slot, (targets, rank, vary) in enumerate(specs):
+        ranks = {(layer, m): max(1, rank - (layer if vary else 0)) for layer in range(LAYERS) for m in targets}
+        owners[slot] = make_adapter(seed + slot, targets, ranks)
+        tb.install(slot, owners[slot])
+        tb.activate(slot)
+    slots = [s for s in range(len(specs)) for _ in range(counts[s])] + [-1] * counts[6]
+    if shuffle:
+        random.Random(seed).shuffle(slots)
+    if not slots:
+        slots = [-1]
+    check_all(tb, torch.tensor(slots), owners, seed)
+    tb.check_integrity()
+
+
+def test_long_and_short_segments_and_holes_in_one_step(kernel):
+    tb = table(kernel, max_slots=4, long_rows=3)
+    owners = {0: make_adapter(1, ["q_proj", "v_proj", "down_proj"], {(l, m): 3 for l in range(LAYERS) for m in DIMS}),
+              2: make_adapter(2, list(DIMS), {(l, m): 8 for l in range(LAYERS) for m in DIMS})}
+    for slot, w in owners.items():
+        tb.install(slot, w)
+    # slot 0: a long contiguous run and, shuffled, long non-contiguous rows; slot 2 short; base rows between.
+    for slots in ([0] * 6 + [-1, -1] + [2, 2], [0, -1, 0, 2, 0, -1, 0, 0, 2]):
+        plan = check_all(tb, torch.tensor(slots), owners)
+        assert plan.long and plan.short.shape[0] == 1
+    assert plan.long[0][3] is not None  # the shuffled step's long segment names its rows explicitly
+
+
+def test_threads_split_segments_without_changing_a_bit(kernel):
+    tb = table(kernel, max_slots=8)
+    owners = {s: make_adapter(10 + s, list(DIMS), {(l, m): 1 + s for l in range(LAYERS) for m in DIMS}) for s in range(8)}
+    for s, w in owners.items():
+        tb.install(s, w)
+    slots = torch.tensor([s % 8 for s in range(40)])
+    plan = tb.plan(build_sgmv_meta(slots))
+    x, y = group_input("gate_up", 40, 0)
+    outs = []
+    for threads in (1, 2):
+        out = y.clone()
+        kernel.group(x, out, plan.pos, plan.short, tb.table, 1, tb.parts["gate_up"], num_threads=threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], oracle(x, y, 1, "gate_up", slots, owners), atol=1e-4, rtol=1e-4)
+
+
+def test_reinstall_and_evict_leave_no_stale_weights(kernel):
+    tb = table(kernel, max_slots=2)
+    a = make_adapter(1, list(DIMS), {(l, m): 4 for l in range(LAYERS) for m in DIMS})
+    b = make_adapter(2, ["o_proj"], {(l, "o_proj"): 2 for l in range(LAYERS)})
+    tb.install(0, a)
+    check_all(tb, torch.tensor([0, 0, -1]), {0: a})
+    tb.install(0, b)  # replaces a: groups b does not target must add nothing
+    check_all(tb, torch.tensor([0, 0, -1]), {0: b})
+    assert tb.nbytes == sum(x.numel() * 4 for pair in b.tensors.values() for x in pair)
+    tb.check_integrity()
+    tb.evict(0)
+    assert not tb.table.any() and tb.nbytes == 0
+    x, y = group_input("o", 3, 5)
+    want = y.clone()
+    tb.apply(0, "o", x, y, tb.plan(build_sgmv_meta(torch.tensor([0, 0, -1]))))
+    assert torch.equal(y, want)  # an evicted slot's rows get no delta (its table rows are 0)
+    tb.check_integrity()
+
+
+def test_output_may_be_a_column_window_of_a_wider_tensor(kernel):
+    tb = table(kernel, max_slots=1)
+    w = make_adapter(3, ["q_proj", "k_proj", "v_proj"], {(l, m): 5 for l in range(LAYERS) for m in DIMS})
+    tb.install(0, w)
+    slots = torch.tensor([0, -1, 0])
+    x_wide = torch.randn(3, 40)
+    x = x_wide[:, 4:20]  # row stride 40, as a slice of a fused activation would be
+    full = torch.randn(3, 50)
+    y = full[:, 10:42]  # the qkv group's 32 columns inside a wider row
+    before = full.clone()
+    want = oracle(x, y, 0, "qkv", slots, {0: w})
+    tb.apply(0, "qkv", x, y, tb.plan(build_sgmv_meta(slots)))
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(full[:, :10], before[:, :10]) and torch.equal(full[:, 42:], before[:, 42:])
+
+
+def test_the_kernel_refuses_operands_it_would_index_out_of_bounds(kernel):
+    tb = table(kernel, max_slots=2)
+    tb.install(0, make_adapter(1, list(DIMS), {(l, m): 4 for l in range(LAYERS) for m in DIMS}))
+    x, y = group_input("qkv", 4, 0)
+    parts = tb.parts["qkv"]
+    segs = torch.tensor([[0, 4, 0]])
+
+    def call(**kw):
+        args = {"x": x, "y": y.clone(), "pos": None, "segs": segs, "table": tb.table, "layer": 0, "parts": parts}
+        args.update(kw)
+        kernel.group(args.pop("x"), args.pop("y"), args.pop("pos"), args.pop("segs"), args.pop("table"),
+                     args.pop("layer"), args.pop("parts"), num_threads=2, check=False)
+
+    with pytest.raises(ValueError, match="slot is outside"):
+        call(segs=torch.tensor([[0, 4, 7]]))
+    with pytest.raises(ValueError, match="start/end are outside"):
+        call(segs=torch.tensor([[0, 9, 0]]))
+    with pytest.raises(ValueError, match="row index is outside"):
+        call(pos=torch.tensor([0, 1, 2, 99]))
+    with pytest.raises(ValueError, match="output columns"):
+        call(parts=torch.tensor([[0, 30, 16]]))
+    with pytest.raises(ValueError, match="layer"):
+        call(layer=LAYERS)
+    bad = tb.table.clone()
+    bad[0, 0, 0, 2] = 600
+    with pytest.raises(ValueError, match="rank is outside"):
+        call(table=bad)
+    bad = tb.table.clone()
+    bad[0, 0, 0, 0] = 0
+    with pytest.raises(ValueError, match="null weight pointer"):
+        call(table=bad)
+    # The Python-side checks: dtype, layout, row counts.
+    with pytest.raises(ValueError, match="fp32"):
+        kernel.group(x.double(), y, None, segs, tb.table, 0, parts, num_threads=1)
+    with pytest.raises(ValueError, match="unit column stride"):
+        kernel.group(x, y.t().contiguous().t(), None, segs, tb.table, 0, parts, num_threads=1)
+    with pytest.raises(ValueError, match="rows"):
+        kernel.group(x, y[:3], None, segs, tb.table, 0, parts, num_threads=1, check=False)
+    out = y.clone()
+    call(y=out)  # and the well-formed call still works after all the refusals
+    assert not torch.equal(out, y)
+
+
+def test_without_a_compiler_auto_falls_back_to_torch_and_native_refuses(tiny_model, tmp_path, monkeypatch, caplog):
+    from services.engine.lora.manager import AdapterManager
+
+    model = ModelConfig.from_dir(tiny_model)
+    monkeypatch.setenv("MPLEX_HOME", str(tmp_path))  # no cached library there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    sgmv_native.load.cache_clear()
+    try:
+        with pytest.raises(sgmv_native.NativeKernelUnavailable, match="no-such-cc"):
+            sgmv_native.load()
+        with caplog.at_level(logging.WARNING, logger="mplex.engine.lora"):
+            m = AdapterManager(model, LoraConfig(max_loras=2, max_cpu_loras=2), dtype=torch.float32, device="cpu")
+        assert m.cpu_kernel == "torch" and "using the torch path" in caplog.text
+        m.shutdown()
+        with pytest.raises(ConfigError, match="cpu_kernel=native"):
+            AdapterManager(model, LoraConfig(max_loras=2, max_cpu_loras=2, cpu_kernel="native"), dtype=torch.float32, device="cpu")
+    finally:
+        sgmv_native.load.cache_clear()
+    monkeypatch.undo()
+    m = AdapterManager(model, LoraConfig(max_loras=2, max_cpu_loras=2), dtype=torch.float32, device="cpu")
+    assert m.cpu_kernel == "native"
+    m.shutdown()
+    with pytest.raises(ConfigError, match="fp32 only"):
+        AdapterManager(model, LoraConfig(max_loras=2, max_cpu_loras=2, cpu_kernel="native"), dtype=torch.bfloat16, device="cpu")
+
+
+def test_a_broken_compile_names_the_compiler_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPLEX_HOME", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("int mplex_sgmv_abi_version(void) { return 1 }\n")  # missing ';'
+    monkeypatch.setattr(sgmv_native, "SOURCE", bad)
+    sgmv_native.load.cache_clear()
+    try:
+        with pytest.raises(sgmv_native.NativeKernelUnavailable, match="error"):
+            sgmv_native.load()
+        assert not list((tmp_path / "build" / "native").glob("*.so"))  # no half-written library left behind
+    finally:
+        sgmv_native.load.cache_clear()
