@@ -28,6 +28,7 @@ def serve(
     max_loras: int = typer.Option(8, help="Device adapter slots"),
     max_cpu_loras: int = typer.Option(64, help="Adapters kept in host memory"),
     max_lora_rank: int = 64,
+    lora_cpu_kernel: str = typer.Option("auto", help="CPU LoRA kernel: auto (native C when it builds, else torch) | native | torch"),
     log_level: str = "info",
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
@@ -46,7 +47,8 @@ def serve(
         device=device,
         cache=CacheConfig(block_size=block_size, memory_bytes=kv_memory_mb * 2**20),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len),
-        lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank),
+        lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+                        cpu_kernel=lora_cpu_kernel),
         engine_id=engine_id,
     )
     from services.common.logging import configure

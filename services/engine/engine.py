@@ -100,10 +100,12 @@ class LLMEngine:
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
-            "(%.1f MiB) max_model_len=%d",
+            "(%.1f MiB) max_model_len=%d lora=%s",
             config.model_name, weights / 2**20, "fp8" if config.weight_dtype == "fp8" else config.dtype,
             weights / (2 * params), 2 * params / 2**20, num_blocks, block_size, self.runner.kv_cache_bytes / 2**20,
             self.max_model_len,
+            "off" if self.adapters is None else
+            f"{config.lora.max_loras} slots ({self.adapters.cpu_kernel or 'triton'} kernel)",
         )
 
     # -- requests ------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""A per-token, per-module LoRA oracle and random adapters for the CPU SGMV paths' tests (torch and native).
+"""A per-token, per-module LoRA oracle and random adapters and inputs for the CPU SGMV paths' tests (torch and native).
 
 The oracle knows nothing of classes, entries, grids, buffers or segments: every token multiplies its own
 adapter's A and B for each targeted module and adds the result at that module's output offset.
 """
 import torch
+from hypothesis import strategies as st
 
 from services.engine.lora.weights import LoraWeights
 
@@ -48,3 +49,17 @@ def oracle(x, y, layer, group, token_slots, owners: dict[int, LoraWeights]):
                 a, b = pair
                 out[t, off : off + size] += (x[t] @ a.t()) @ b.t()
     return out
+
+
+def group_input(group: str, t: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d_in = DIMS[GROUPS[group][0]][0]
+    d_out = sum(DIMS[m][1] for m in GROUPS[group])
+    return torch.randn(t, d_in, generator=g), torch.randn(t, d_out, generator=g)
+
+
+adapter_spec = st.tuples(
+    st.lists(st.sampled_from(sorted(DIMS)), min_size=1, max_size=7, unique=True),  # targets
+    st.integers(1, MAX_RANK),  # rank
+    st.booleans(),  # vary the rank per layer (rank_pattern)
+)

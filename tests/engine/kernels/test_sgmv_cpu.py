@@ -14,17 +14,20 @@ from services.engine.kernels import build_sgmv_meta
 from services.engine.kernels.sgmv_cpu import SHORT_ROWS, GroupPlan, lora_apply_classed, plan_group
 from services.engine.lora.cpu_slots import CpuSlotStacks, class_widths
 from services.engine.lora.weights import LoraWeights
-from tests.engine.kernels.lora_oracle import DIMS, GROUPS, LAYERS, MAX_RANK, make_adapter, oracle, slices
+from tests.engine.kernels.lora_oracle import (
+    DIMS,
+    GROUPS,
+    LAYERS,
+    MAX_RANK,
+    adapter_spec,
+    group_input,
+    make_adapter,
+    oracle,
+    slices,
+)
 
 def stacks(max_slots: int, dtype=torch.float32) -> CpuSlotStacks:
     return CpuSlotStacks(LAYERS, slices(), DIMS, max_rank=MAX_RANK, max_slots=max_slots, dtype=dtype)
-
-
-def group_input(group: str, t: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    d_in = DIMS[GROUPS[group][0]][0]
-    d_out = sum(DIMS[m][1] for m in GROUPS[group])
-    return torch.randn(t, d_in, generator=g), torch.randn(t, d_out, generator=g)
 
 
 def check_all(cs: CpuSlotStacks, token_slots: torch.Tensor, owners, seed=0, atol=1e-4):
@@ -39,13 +42,6 @@ def check_all(cs: CpuSlotStacks, token_slots: torch.Tensor, owners, seed=0, atol
 
 
 # -- the apply path ---------------------------------------------------------------------------------
-
-
-adapter_spec = st.tuples(
-    st.lists(st.sampled_from(sorted(DIMS)), min_size=1, max_size=7, unique=True),  # targets
-    st.integers(1, MAX_RANK),  # rank
-    st.booleans(),  # vary the rank per layer (rank_pattern)
-)
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,7 +10,16 @@ from hypothesis import strategies as st
 from services.engine.config import ConfigError, LoraConfig, ModelConfig
 from services.engine.kernels import build_sgmv_meta, sgmv_native
 from services.engine.lora.native_slots import NativeSlotTable
-from tests.engine.kernels.lora_oracle import DIMS, GROUPS, LAYERS, MAX_RANK, make_adapter, oracle, slices
+from tests.engine.kernels.lora_oracle import (
+    DIMS,
+    GROUPS,
+    LAYERS,
+    adapter_spec,
+    group_input,
+    make_adapter,
+    oracle,
+    slices,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +31,6 @@ def table(kernel, max_slots: int, long_rows: int = 32) -> NativeSlotTable:
     return NativeSlotTable(LAYERS, slices(), DIMS, max_slots=max_slots, kernel=kernel, long_rows=long_rows)
 
 
-def group_input(group: str, t: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    d_in = DIMS[GROUPS[group][0]][0]
-    d_out = sum(DIMS[m][1] for m in GROUPS[group])
-    return torch.randn(t, d_in, generator=g), torch.randn(t, d_out, generator=g)
-
-
 def check_all(tb: NativeSlotTable, token_slots: torch.Tensor, owners, seed=0):
     plan = tb.plan(build_sgmv_meta(token_slots))
     for layer in range(LAYERS):
@@ -38,13 +40,6 @@ def check_all(tb: NativeSlotTable, token_slots: torch.Tensor, owners, seed=0):
             tb.apply(layer, group, x, y, plan)
             torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4, msg=f"layer {layer} group {group}")
     return plan
-
-
-adapter_spec = st.tuples(
-    st.lists(st.sampled_from(sorted(DIMS)), min_size=1, max_size=7, unique=True),  # targets
-    st.integers(1, MAX_RANK),  # rank
-    st.booleans(),  # vary the rank per layer (rank_pattern)
-)
 
 
 @settings(max_examples=60, deadline=None)
