@@ -180,12 +180,27 @@ def read_safetensors_header(path: Path, *, max_header: int = MAX_HEADER_BYTES) -
     size = Path(path).stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
-        if len(head) < 8:
-            raise AdapterFormatError("bad_header", "file is too short to be safetensors")
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > max_header or n > size - 8:
-            raise AdapterFormatError("oversize_header", f"safetensors header length {n} is invalid for a {size}-byte file")
-        raw = f.read(n)
+        n = _header_length(head, size, max_header)
+        return _parse_header(f.read(n), size)
+
+
+def parse_safetensors_header(data: bytes, *, max_header: int = MAX_HEADER_BYTES) -> dict[str, TensorInfo]:
+    """The same checks on a whole file already in memory (the engine's loader reads it once)."""
+    n = _header_length(data[:8], len(data), max_header)
+    return _parse_header(data[8 : 8 + n], len(data))
+
+
+def _header_length(head: bytes, size: int, max_header: int) -> int:
+    if len(head) < 8:
+        raise AdapterFormatError("bad_header", "file is too short to be safetensors")
+    (n,) = struct.unpack("<Q", head)
+    if n == 0 or n > max_header or n > size - 8:
+        raise AdapterFormatError("oversize_header", f"safetensors header length {n} is invalid for a {size}-byte file")
+    return n
+
+
+def _parse_header(raw: bytes, size: int) -> dict[str, TensorInfo]:
+    n = len(raw)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -233,14 +248,18 @@ def content_id(adapter_dir: Path) -> str:
     Two adapters with the same weights but another alpha or rank pattern compute different things,
     so they must never share a prefix-cache entry; a renamed copy of the same adapter shares all.
     """
-    cfg = read_config(adapter_dir)
+    return content_id_of(read_config(adapter_dir), weights_sha256(adapter_dir))
+
+
+def content_id_of(cfg: AdapterConfig, weights_digest: str) -> str:
+    """content_id from a parsed config and the weights file's sha256 hex digest."""
     effective = {
         "r": cfg.r, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.use_rslora,
         "rank_pattern": cfg.rank_pattern, "alpha_pattern": cfg.alpha_pattern,
     }
     h = hashlib.sha256()
     h.update(b"mplex-lora-v1\0")
-    h.update(weights_sha256(adapter_dir).encode())
+    h.update(weights_digest.encode())
     h.update(json.dumps(effective, sort_keys=True).encode())
     return h.hexdigest()
 

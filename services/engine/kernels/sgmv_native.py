@@ -169,10 +169,3 @@ def load() -> NativeSgmv:
         _compile(cc, path)
     return NativeSgmv(path)
 
-
-def available() -> bool:
-    try:
-        load()
-    except NativeKernelUnavailable:
-        return False
-    return True

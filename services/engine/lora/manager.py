@@ -95,7 +95,7 @@ class AdapterManager:
         if self.fused:
             kernel = self._native_kernel(config, dtype)
             if kernel is not None:
-                self.cpu = NativeSlotTable(model.num_layers, self.slices, dims, max_slots=n, kernel=kernel)
+                self.cpu = NativeSlotTable(model.num_layers, self.slices, max_slots=n, kernel=kernel)
                 self.cpu_kernel = "native"
             else:
                 self.cpu = CpuSlotStacks(model.num_layers, self.slices, dims, max_rank=r, max_slots=n, dtype=dtype, device=device)

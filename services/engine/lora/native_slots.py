@@ -43,7 +43,6 @@ class _Slot:
 class NativePlan:
     """One step's segments, shared by every layer and group."""
 
-    num_tokens: int
     pos: torch.Tensor | None  # [T] int64 step position -> row; None when the batch is grouped by slot
     short: torch.Tensor  # [S, 3] int64 (start, end, slot) for the C kernel
     long: tuple[tuple[int, int, int, torch.Tensor | None], ...]  # (slot, start, end, explicit rows or None)
@@ -54,7 +53,6 @@ class NativeSlotTable:
         self,
         num_layers: int,
         slices: dict[str, list[tuple[str, int, int]]],
-        dims: dict[str, tuple[int, int]],
         *,
         max_slots: int,
         kernel: NativeSgmv,
@@ -62,7 +60,6 @@ class NativeSlotTable:
     ):
         self.num_layers = num_layers
         self.slices = slices
-        self.dims = dims
         self.kernel = kernel
         self.long_rows = long_rows
         self.modules = [m for parts in slices.values() for m, _, _ in parts]
@@ -151,7 +148,7 @@ class NativeSlotTable:
                         rows = seg
                 long.append((slot, start_, end_, rows))
         pos = None if order is None else order.to("cpu", torch.int64).contiguous()
-        return NativePlan(meta.num_tokens, pos, short, tuple(long))
+        return NativePlan(pos, short, tuple(long))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: NativePlan) -> None:
         if plan.short.shape[0]:

@@ -28,7 +28,7 @@ def kernel():
 
 
 def table(kernel, max_slots: int, long_rows: int = 32) -> NativeSlotTable:
-    return NativeSlotTable(LAYERS, slices(), DIMS, max_slots=max_slots, kernel=kernel, long_rows=long_rows)
+    return NativeSlotTable(LAYERS, slices(), max_slots=max_slots, kernel=kernel, long_rows=long_rows)
 
 
 def check_all(tb: NativeSlotTable, token_slots: torch.Tensor, owners, seed=0):
