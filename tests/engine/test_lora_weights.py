@@ -65,3 +65,18 @@ def test_a_nan_is_refused_naming_its_layer_and_module(tiny_model, adapter):
     rewrite(adapter / WEIGHTS_FILE, tensors, 0)
     with pytest.raises(AdapterFormatError, match="layer 1 down_proj has NaN"):
         load_lora(adapter, ModelConfig.from_dir(tiny_model), max_rank=64, dtype=torch.float32)
+
+
+def test_the_content_id_is_the_stores_and_a_changed_byte_is_refused(tiny_model, adapter):
+    from services.common.lora_format import content_id
+
+    model = ModelConfig.from_dir(tiny_model)
+    cid = content_id(adapter)  # what the adapter store and the gateway name it by
+    assert load_lora(adapter, model, max_rank=64, dtype=torch.float32, expected_content_id=cid).content_id == cid
+    path = adapter / WEIGHTS_FILE
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(AdapterFormatError) as info:
+        load_lora(adapter, model, max_rank=64, dtype=torch.float32, expected_content_id=cid)
+    assert info.value.code == "content_mismatch"
