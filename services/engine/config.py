@@ -176,8 +176,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     chunked_prefill: bool = True
-    # A request whose adapter cannot get a device slot for this many steps stops new admissions that
-    # would pin other adapters, so slots drain and it gets one (no starvation under skewed popularity).
+    # A request whose adapter cannot get a device slot for this many steps has one pinned slot drained
+    # for it (no new sequences join it) and newer requests kept out of freed slots, so it gets one
+    # (no starvation under skewed popularity) while the other slots keep batching.
     lora_starvation_steps: int = 16
 
     def __post_init__(self) -> None:

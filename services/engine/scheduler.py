@@ -50,6 +50,9 @@ class AdapterSlots(Protocol):
     def is_host_resident(self, content_id: str) -> bool:
         """The adapter is loaded in host memory (so only a free slot is missing)."""
 
+    def slot_of(self, content_id: str) -> int | None:
+        """The device slot holding the adapter now (pinned or idle), or None."""
+
     def acquire(self, seq: Sequence) -> int | None:
         """Pin the sequence's adapter into a device slot and return it, or None if it cannot be now."""
 
@@ -68,6 +71,8 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # every admission's hit, re-admissions after preemption included
+        # The device slot being drained for a request that has waited too long for one (see _admit).
+        self.draining_slot: int | None = None
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -130,7 +135,14 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan) -> None:
         budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-        starving = False  # some request has waited too long for a slot: stop pinning others
+        if self.draining_slot is not None and not any(s.lora_slot == self.draining_slot for s in self.running):
+            self.draining_slot = None  # drained: it is idle now, and the oldest waiting requests get it first
+        # Anti-starvation without stalling the batch: once a request has waited lora_starvation_steps for a
+        # slot (its adapter loaded), one pinned slot -- the one whose sequences should finish first -- takes
+        # no new sequences until it is idle, and requests queued behind the starving one may only join
+        # adapters already in a slot (a freed slot goes to the older requests). Everyone else keeps batching;
+        # the drained slot frees in at most its sequences' remaining max_tokens.
+        starving = False
         for priority in Priority:
             queue = self.waiting[priority]
             skipped: list[Sequence] = []
@@ -141,11 +153,20 @@ class Scheduler:
                 # The slot first: with more distinct adapters queued than slots, most of the queue is
                 # skipped here every step, and that must stay cheap (no prefix lookup).
                 if seq.adapter is not None and self.adapters is not None:
-                    acquired = None if starving else self.adapters.acquire(seq)
+                    resident = self.adapters.slot_of(seq.adapter.content_id)
+                    if resident is not None and resident == self.draining_slot:
+                        acquired = None
+                    elif starving and resident is None:
+                        acquired = None
+                    else:
+                        acquired = self.adapters.acquire(seq)
                     if acquired is None:  # its adapter cannot be resident now: let others through
-                        if self.adapters.is_host_resident(seq.adapter.content_id):
+                        if resident is None and self.adapters.is_host_resident(seq.adapter.content_id):
                             seq.slot_wait_steps += 1
-                            starving |= seq.slot_wait_steps >= self.config.lora_starvation_steps
+                            if seq.slot_wait_steps >= self.config.lora_starvation_steps:
+                                starving = True
+                                if self.draining_slot is None:
+                                    self.draining_slot = self._slot_to_drain()
                         skipped.append(queue.popleft())
                         continue
                     slot = acquired
@@ -184,6 +205,16 @@ class Scheduler:
             queue.extendleft(reversed(skipped))
             if blocked or len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break  # lower classes wait while a higher class is blocked on KV or seats
+
+    def _slot_to_drain(self) -> int | None:
+        """The pinned slot expected to free first: the least, over slots, of the most tokens any of its
+        running sequences may still generate."""
+        longest: dict[int, int] = {}
+        for s in self.running:
+            if s.lora_slot >= 0:
+                left = s.params.max_tokens - s.num_output_tokens
+                longest[s.lora_slot] = max(longest.get(s.lora_slot, 0), left)
+        return min(longest, key=longest.__getitem__) if longest else None
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(

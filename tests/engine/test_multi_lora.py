@@ -265,3 +265,72 @@ def test_more_distinct_adapters_queued_than_the_host_tier_holds_load_about_once_
                            for i in range(24)])
     assert all(len(toks) == 4 for toks in out.values())
     assert sorted(reads) == sorted(r.content_id for r in refs), f"{len(reads)} reads for 12 adapters"
+
+
+def test_a_request_starved_of_a_slot_gets_one_while_the_other_slots_keep_batching(tiny_model, tmp_path):
+    """Two hot adapters whose requests never stop keep both device slots pinned; a cold adapter's request
+    waits lora_starvation_steps, then one slot is drained for it (no new sequences join that slot) and it
+    runs -- while the other hot adapter keeps admitting new requests the whole time (the batch never
+    stalls behind the starving request)."""
+    from services.modelkit import make_random_adapter
+
+    refs = {}
+    for i, name in enumerate(("hot1", "hot2", "cold")):
+        path = make_random_adapter(tiny_model, tmp_path / name, rank=2, seed=i)
+        refs[name] = AdapterRef(content_id(path), name, str(path))
+    engine = make_engine(tiny_model, max_loras=2, max_cpu_loras=4)
+    for ref in refs.values():
+        engine.adapters.load_sync(ref)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    patience = engine.scheduler.config.lora_starvation_steps
+    n = 0
+
+    def add(name):
+        nonlocal n
+        n += 1
+        engine.add_request(f"{name}-{n}", [3, 4, 5 + n % 7], params, adapter=refs[name])
+
+    done: set[str] = set()
+    cold_added = cold_admitted = None
+    hot_admitted_while_draining: dict[str, int] = {"hot1": 0, "hot2": 0}
+    drained = None
+    for step in range(400):
+        add("hot1"), add("hot2")  # both hot slots always have newer requests waiting
+        if step == 3:
+            engine.add_request("cold", [3, 4, 5], params, adapter=refs["cold"])
+            cold_added = step
+        running_before = {s.request_id for s in engine.scheduler.running}
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                done.add(out.request_id)
+        draining = engine.scheduler.draining_slot
+        if draining is not None:
+            drained = draining
+        admitted = [s for s in engine.scheduler.running if s.request_id not in running_before]
+        for s in admitted:
+            if s.request_id == "cold":
+                cold_admitted = step
+            elif draining is not None:
+                hot_admitted_while_draining[s.adapter.name] += 1
+                assert s.lora_slot != draining, "a sequence joined the slot being drained"
+        if "cold" in done:
+            break
+    assert "cold" in done, "the cold adapter's request never got a slot"
+    # It waited its patience, then at most the drained slot's remaining work (max_tokens) plus a step.
+    assert patience <= cold_admitted - cold_added <= patience + params.max_tokens + 2, (cold_added, cold_admitted)
+    assert drained is not None
+    # The hot adapter whose slot was not drained kept taking new requests during the drain.
+    assert max(hot_admitted_while_draining.values()) > 0, hot_admitted_while_draining
+    # Once drained and handed over, no slot stays closed: both hot adapters keep being admitted.
+    admitted_after: dict[str, int] = {"hot1": 0, "hot2": 0}
+    window = 2 * (patience + params.max_tokens)
+    for step in range(2 * window):
+        add("hot1"), add("hot2")
+        running_before = {s.request_id for s in engine.scheduler.running}
+        engine.step()
+        for s in engine.scheduler.running:
+            if s.request_id not in running_before and step >= window:
+                admitted_after[s.adapter.name] += 1
+    assert min(admitted_after.values()) > 0, admitted_after
+    engine.check_integrity()

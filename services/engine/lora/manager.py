@@ -272,6 +272,9 @@ class AdapterManager:
         self._failed.pop(content_id, None)
 
     # -- device slots (the scheduler's AdapterSlots protocol) ------------------------------------
+    def slot_of(self, content_id: str) -> int | None:
+        return self._slot_of.get(content_id)
+
     def acquire(self, seq: Sequence) -> int | None:
         assert seq.adapter is not None
         cid = seq.adapter.content_id
