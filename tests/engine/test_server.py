@@ -142,7 +142,13 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(server, demo_kit):
 
 
 def test_client_disconnect_on_a_non_streaming_request_aborts(server, demo_kit):
-    body = {"model": demo_kit.model_name, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+    # 480 tokens take well over 0.1 s here; 400 with a 0.5 s timeout could finish first on a fast machine.
+    body = {"model": demo_kit.model_name, "prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
+    try:
+        aborted = _metric(server, "mplex_engine_requests_total", finish_reason="abort")
+    except AssertionError:  # no request aborted yet in this server
+        aborted = 0.0
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=0.5)
+        httpx.post(f"{server}/v1/completions", json=body, timeout=0.1)
     _wait_idle(server)
+    assert _metric(server, "mplex_engine_requests_total", finish_reason="abort") == aborted + 1
