@@ -177,8 +177,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     chunked_prefill: bool = True
     # A request whose adapter cannot get a device slot for this many steps has one pinned slot drained
-    # for it (no new sequences join it) and newer requests kept out of freed slots, so it gets one
-    # (no starvation under skewed popularity) while the other slots keep batching.
+    # for it (no new sequences join it), so it gets one (no starvation under skewed popularity) while the
+    # other slots keep batching.
     lora_starvation_steps: int = 16
 
     def __post_init__(self) -> None:

@@ -139,10 +139,9 @@ class Scheduler:
             self.draining_slot = None  # drained: it is idle now, and the oldest waiting requests get it first
         # Anti-starvation without stalling the batch: once a request has waited lora_starvation_steps for a
         # slot (its adapter loaded), one pinned slot -- the one whose sequences should finish first -- takes
-        # no new sequences until it is idle, and requests queued behind the starving one may only join
-        # adapters already in a slot (a freed slot goes to the older requests). Everyone else keeps batching;
-        # the drained slot frees in at most its sequences' remaining max_tokens.
-        starving = False
+        # no new sequences until it is idle; everyone else keeps batching. The drained slot frees in at most
+        # its sequences' remaining max_tokens, and the queue is scanned oldest first, so the older waiting
+        # requests get it before any newer one.
         for priority in Priority:
             queue = self.waiting[priority]
             skipped: list[Sequence] = []
@@ -154,19 +153,13 @@ class Scheduler:
                 # skipped here every step, and that must stay cheap (no prefix lookup).
                 if seq.adapter is not None and self.adapters is not None:
                     resident = self.adapters.slot_of(seq.adapter.content_id)
-                    if resident is not None and resident == self.draining_slot:
-                        acquired = None
-                    elif starving and resident is None:
-                        acquired = None
-                    else:
-                        acquired = self.adapters.acquire(seq)
+                    draining = resident is not None and resident == self.draining_slot
+                    acquired = None if draining else self.adapters.acquire(seq)
                     if acquired is None:  # its adapter cannot be resident now: let others through
                         if resident is None and self.adapters.is_host_resident(seq.adapter.content_id):
                             seq.slot_wait_steps += 1
-                            if seq.slot_wait_steps >= self.config.lora_starvation_steps:
-                                starving = True
-                                if self.draining_slot is None:
-                                    self.draining_slot = self._slot_to_drain()
+                            if seq.slot_wait_steps >= self.config.lora_starvation_steps and self.draining_slot is None:
+                                self.draining_slot = self._slot_to_drain()
                         skipped.append(queue.popleft())
                         continue
                     slot = acquired
