@@ -29,6 +29,7 @@ def serve(
     max_cpu_loras: int = typer.Option(64, help="Adapters kept in host memory"),
     max_lora_rank: int = 64,
     lora_cpu_kernel: str = typer.Option("auto", help="CPU LoRA kernel: auto (native C when it builds, else torch) | native | torch"),
+    cpu_attention: str = typer.Option("auto", help="CPU decode attention: auto (native C when it builds, else torch) | native | torch"),
     log_level: str = "info",
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
@@ -50,6 +51,7 @@ def serve(
         lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                         cpu_kernel=lora_cpu_kernel),
         engine_id=engine_id,
+        cpu_attention=cpu_attention,
     )
     from services.common.logging import configure
 

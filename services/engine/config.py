@@ -224,8 +224,13 @@ class EngineConfig:
     seed: int = 0
     engine_id: str = "engine-0"
     adapter_cache_dir: Path | None = None  # where adapters fetched from remote storage are kept
+    # CPU only: decode attention by "native" = the C paged kernel (kernels/attention_native.py, fp32),
+    # "torch" = gather + SDPA, "auto" = native when it builds here and the dtype and shapes fit, else torch.
+    cpu_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_attention not in ("auto", "native", "torch"):
+            raise ConfigError(f"cpu_attention must be auto, native or torch, got {self.cpu_attention!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}")
         if self.weight_dtype not in ("auto", "fp8"):

@@ -78,7 +78,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
         self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids,
+                                  attention_kernel=_attention_kernel(config, mcfg, block_size))
         self.wake = threading.Event()  # set by anything that may make a blocked step loop runnable
         self.adapters = None
         if config.lora.enabled:
@@ -100,10 +101,10 @@ class LLMEngine:
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
-            "(%.1f MiB) max_model_len=%d lora=%s",
+            "(%.1f MiB) max_model_len=%d attention=%s lora=%s",
             config.model_name, weights / 2**20, "fp8" if config.weight_dtype == "fp8" else config.dtype,
             weights / (2 * params), 2 * params / 2**20, num_blocks, block_size, self.runner.kv_cache_bytes / 2**20,
-            self.max_model_len,
+            self.max_model_len, "sdpa" if self.runner.attention_kernel is None else "native decode + sdpa prefill",
             "off" if self.adapters is None else
             f"{config.lora.max_loras} slots ({self.adapters.cpu_kernel or 'triton'} kernel)",
         )
@@ -365,6 +366,30 @@ class LLMEngine:
                 self.wake.wait(0.05)  # waiting on an adapter load
                 self.wake.clear()
         return [results[rid] for rid in ids]
+
+
+def _attention_kernel(config: EngineConfig, mcfg, block_size: int):
+    """The native CPU decode attention kernel, when config.cpu_attention allows it and it fits here."""
+    from services.engine.config import ConfigError
+    from services.engine.kernels import attention_native
+
+    if config.cpu_attention == "torch" or config.device != "cpu":
+        return None
+    why = None
+    if not attention_native.NativeAttention.supports(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, block_size,
+                                                     config.torch_dtype):
+        why = (f"it takes fp32, at most {attention_native.MAX_GROUP} query heads per kv head, head_dim <= "
+               f"{attention_native.MAX_HEAD_DIM} and block_size <= {attention_native.MAX_BLOCK}")
+    else:
+        try:
+            return attention_native.load()
+        except attention_native.NativeKernelUnavailable as exc:
+            why = str(exc)
+    if config.cpu_attention == "native":
+        raise ConfigError(f"cpu_attention=native, but {why}")
+    if config.torch_dtype == torch.float32:  # other dtypes are expected to use SDPA: no warning for them
+        log.warning("native CPU attention unavailable, using gather + SDPA: %s", why)
+    return None
 
 
 def adapter_error(exc: AdapterFormatError) -> InvalidRequest:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.model.attention import AttnGroup, AttnMetadata, build_group
+from services.engine.kernels.attention_native import NativeAttention
+from services.engine.model.attention import AttnGroup, AttnMetadata, DecodeGroup, build_group
 from services.engine.model.layers import LoraHook
 from services.engine.model.llama import LlamaModel
 from services.engine.sampler import SamplerOutput, SamplingBatch, sample
@@ -28,9 +29,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
+                 attention_kernel: NativeAttention | None = None):
         cfg = model.config
         self.model = model
+        self.attention_kernel = attention_kernel  # decode rows attended in place by the native CPU kernel
         self.block_size = block_size
         self.device = model.device
         self.eos_token_ids = eos_token_ids
@@ -62,8 +65,21 @@ class ModelRunner:
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         ctx = starts + lens
 
-        groups: list[AttnGroup] = []
-        for sel in _attention_buckets(lens, ctx, bs):
+        groups: list[AttnGroup | DecodeGroup] = []
+        if self.attention_kernel is not None:
+            decode = (lens == 1).nonzero().squeeze(1)
+            if decode.numel():
+                d_ctx = ctx[decode]
+                groups.append(DecodeGroup(
+                    rows=offsets[decode], context_lens=d_ctx,
+                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous(),
+                    kernel=self.attention_kernel, sliding_window=self.model.config.sliding_window,
+                    num_threads=torch.get_num_threads(),
+                ))
+            buckets = [sel] if (sel := (lens > 1).nonzero().squeeze(1)).numel() else []
+        else:
+            buckets = _attention_buckets(lens, ctx, bs)
+        for sel in buckets:
             g_ctx = ctx[sel]
             nblocks = int((g_ctx.max() + bs - 1) // bs)
             groups.append(
@@ -164,3 +180,4 @@ def _attention_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, m
         cuts = sorted(cuts + [best])
     out += [decode[a:b] for a, b in zip(cuts, cuts[1:])]
     return out
+

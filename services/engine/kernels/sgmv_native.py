@@ -6,28 +6,25 @@ own exact-rank weights once per segment and spreads the segments over the OpenMP
 250-row Zipf decode step over 86 adapters its 16 group applications take ~1.6 ms against ~5.3 ms for the
 classed torch path (docs/engine.md). It is fp32 only; other dtypes use the torch path.
 
-The shared library is built with the machine's C compiler (`$CC`, else `cc`) into
-`$MPLEX_HOME/build/native/` under a key of the source, the compiler's version, the flags and the CPU's
-feature flags (-march=native), written to a temporary name and renamed, so concurrent first uses are
-safe. When no compiler works, `load()` raises NativeKernelUnavailable with the compiler's output, and
-the engine (lora.cpu_kernel = "auto") falls back to the torch path with a warning.
+The shared library is built by native_build.py (once per machine, source, compiler and flags). When no
+compiler works, `load()` raises NativeKernelUnavailable with the compiler's output, and the engine
+(lora.cpu_kernel = "auto") falls back to the torch path with a warning.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch  # first: its libgomp is the OpenMP runtime the kernel's -fopenmp links against (same soname)
 
+from services.engine.kernels.native_build import NativeKernelUnavailable, library
+
 SOURCE = Path(__file__).with_name("sgmv_cpu_native.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 MAX_RANK = 512  # MPLEX_MAX_RANK in the C source: the largest max_lora_rank the config accepts
 ABI_VERSION = 1
+
+__all__ = ["NativeKernelUnavailable", "NativeSgmv", "load"]
 
 _ERRORS = {
     1: "a segment's adapter slot is outside the slot table",
@@ -38,54 +35,6 @@ _ERRORS = {
     6: "a segment's start/end are outside the batch",
     7: "layer, input width or output strides do not fit the operands",
 }
-
-
-class NativeKernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded here (no compiler, a compile error, a bad library)."""
-
-
-def build_dir() -> Path:
-    return Path(os.environ.get("MPLEX_HOME") or ".mplex").resolve() / "build" / "native"
-
-
-def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_key(cc: str) -> str:
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeKernelUnavailable(f"C compiler {cc!r} does not run: {exc}") from exc
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
-                 platform.machine().encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:20]
-
-
-def _compile(cc: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
-    try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeKernelUnavailable(f"compiling {SOURCE.name} with {cc!r} failed: {exc}") from exc
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise NativeKernelUnavailable(f"compiling {SOURCE.name} with {cc!r} failed:\n{proc.stderr[-2000:]}")
-    os.replace(tmp, out)
 
 
 class NativeSgmv:
@@ -163,9 +112,5 @@ def _check(x, y, pos, segs, table, parts) -> None:
 @functools.cache
 def load() -> NativeSgmv:
     """Build (once per machine and source) and load the kernel; raises NativeKernelUnavailable."""
-    cc = _compiler()
-    path = build_dir() / f"sgmv-{_build_key(cc)}.so"
-    if not path.exists():
-        _compile(cc, path)
-    return NativeSgmv(path)
+    return NativeSgmv(library(SOURCE, "sgmv"))
 

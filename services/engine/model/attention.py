@@ -1,9 +1,11 @@
 """Paged attention over a flattened (varlen) batch: K/V are written to and read from cache blocks.
 
-The batch's query tokens are split into two groups so that no sequence pays for another's shape:
-decode rows (one query token each) and prefill rows (a chunk of query tokens each). Each group runs
-as ONE padded scaled-dot-product-attention call whose keys are gathered from the cache through the
-sequences' block tables; there is no per-sequence Python loop in the forward.
+The batch's query tokens are split into groups so that no sequence pays for another's shape: decode
+rows (one query token each) and prefill rows (a chunk of query tokens each). A padded group runs as ONE
+scaled-dot-product-attention call whose keys are gathered from the cache through the sequences' block
+tables. On the CPU in fp32 the decode rows instead form one DecodeGroup, which the native kernel
+(kernels/attention_native.py) attends in place in the cache, without a padded copy. There is no
+per-sequence Python loop in the forward.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from services.engine.kernels.attention_native import NativeAttention
 
 
 @dataclass(slots=True)
@@ -28,9 +32,25 @@ class AttnGroup:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows attended by the native CPU kernel, straight from the cache (no padded copy)."""
+
+    rows: torch.Tensor  # [B] each sequence's query row in the flattened batch
+    context_lens: torch.Tensor  # [B] tokens in cache after this step (incl. the new one)
+    block_tables: torch.Tensor  # [B, nblocks] contiguous cache block ids (padding = 0, never read)
+    kernel: NativeAttention
+    sliding_window: int | None
+    num_threads: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.rows.shape[0]
+
+
+@dataclass(slots=True)
 class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) for every new token
-    groups: tuple[AttnGroup, ...]
+    groups: tuple[AttnGroup | DecodeGroup, ...]
 
 
 def build_group(
@@ -83,7 +103,11 @@ def paged_attention(
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    for group in meta.groups:  # at most two: decode rows and prefill rows
+    for group in meta.groups:  # prefill rows, and decode rows (bucketed by context length on the torch path)
+        if isinstance(group, DecodeGroup):
+            group.kernel.decode(q, out, k_cache, v_cache, group.rows, group.context_lens, group.block_tables,
+                                scale=scale, window=group.sliding_window, num_threads=group.num_threads)
+            continue
         b, qn = group.token_index.shape
         flat = group.token_index.reshape(-1)
         q_g = q.index_select(0, flat).view(b, qn, -1, head_dim).transpose(1, 2)
