@@ -76,7 +76,7 @@ class ModelRunner:
                     kernel=self.attention_kernel, sliding_window=self.model.config.sliding_window,
                     num_threads=torch.get_num_threads(),
                 ))
-            buckets = [sel] if (sel := (lens > 1).nonzero().squeeze(1)).numel() else []
+            buckets = _prefill_buckets(lens, ctx, bs)
         else:
             buckets = _attention_buckets(lens, ctx, bs)
         for sel in buckets:
@@ -154,10 +154,7 @@ def _attention_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, m
     """Index sets of sequences attended together. Prefill chunks form one group; decode rows are
     split by context length so that no row pays for the longest context in the batch (the padded
     key gather is most of a CPU decode step). Bucket edges are chosen where they save the most padding."""
-    out: list[torch.Tensor] = []
-    prefill = (lens > 1).nonzero().squeeze(1)
-    if prefill.numel():
-        out.append(prefill)
+    out = _prefill_buckets(lens, ctx, block_size, max_buckets)
     decode = (lens == 1).nonzero().squeeze(1)
     if decode.numel() == 0:
         return out
@@ -181,3 +178,37 @@ def _attention_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, m
     out += [decode[a:b] for a, b in zip(cuts, cuts[1:])]
     return out
 
+
+def _prefill_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, max_buckets: int = 4) -> list[torch.Tensor]:
+    """Index sets of the prefill rows (more than one new token), attended as padded groups. A group
+    computes every (query slot, key slot) pair of its rectangle, rows x longest chunk x longest context,
+    and a step's chunks range from a whole fresh prompt to a few tokens after a cached prefix: in one
+    group the bench workload's prefill computed 8.7x the causal pairs. Rows sorted by chunk length are
+    cut where a cut removes the most rectangle, while a cut removes at least 1/16 of it."""
+    prefill = (lens > 1).nonzero().squeeze(1)
+    n = prefill.numel()
+    if n <= 1:
+        return [prefill] if n else []
+    q, c = lens[prefill], (ctx[prefill] + block_size - 1) // block_size
+    order = torch.argsort(q * (int(c.max()) + 1) + c)  # by chunk length, then by context
+    prefill, q, c = prefill[order], q[order].tolist(), c[order].tolist()
+
+    cuts = [0, n]
+    total = n * q[-1] * max(c)
+    for _ in range(max_buckets - 1):
+        best, best_gain = None, 0
+        for a, b in zip(cuts, cuts[1:]):
+            suffix_max = c[a:b]  # suffix_max[i - a] = max(c[i:b])
+            for i in range(b - 2, a - 1, -1):
+                suffix_max[i - a] = max(suffix_max[i - a], suffix_max[i - a + 1])
+            whole = (b - a) * q[b - 1] * suffix_max[0]
+            prefix_max = 0
+            for m in range(a + 1, b):
+                prefix_max = max(prefix_max, c[m - 1])
+                gain = whole - (m - a) * q[m - 1] * prefix_max - (b - m) * q[b - 1] * suffix_max[m - a]
+                if gain > best_gain:
+                    best, best_gain = m, gain
+        if best is None or best_gain * 16 < total:
+            break
+        cuts = sorted(cuts + [best])
+    return [prefill[a:b] for a, b in zip(cuts, cuts[1:])]
