@@ -34,6 +34,7 @@ def make_engine(
     dtype: str = "float32",
     max_model_len: int | None = None,
     lora_kernel: str = "auto",
+    cpu_attention: str = "auto",
 ) -> LLMEngine:
     torch.set_num_threads(2)
     return LLMEngine(
@@ -45,6 +46,7 @@ def make_engine(
             scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
             lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             cpu_kernel=lora_kernel),
+            cpu_attention=cpu_attention,
         )
     )
 

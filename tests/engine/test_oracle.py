@@ -68,9 +68,12 @@ def _check(name, engine, prompts, references, prefix="r"):
     return out
 
 
-def test_one_continuous_batch(demo_kit, prompts, references):
-    engine = make_engine(demo_kit.base_dir)
-    _check("batch", engine, prompts, references)
+@pytest.mark.parametrize("attention", ["auto", "torch"], ids=["native", "torch"])
+def test_one_continuous_batch(demo_kit, prompts, references, attention):
+    """Once with the default engine, whose decode attention is the native CPU kernel, and once with gather + SDPA."""
+    engine = make_engine(demo_kit.base_dir, cpu_attention=attention)
+    assert (engine.runner.attention_kernel is None) == (attention == "torch")
+    _check("batch" if attention == "auto" else "batch-torch", engine, prompts, references)
     assert engine.stats.steps < sum(len(r.tokens) for r in references)  # really batched, not one by one
 
 
