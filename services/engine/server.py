@@ -298,10 +298,11 @@ async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
 
 
 async def _unless_disconnected(request: Request, coro):
-    """Run a non-streaming generation, cancelling it (and so aborting it) if the client hangs up."""
+    """Run a non-streaming generation, cancelling it (and so aborting it) if the client hangs up. Checked
+    every 0.1 s: a hung-up request stops costing batch seats and KV blocks within that."""
     task = asyncio.ensure_future(coro)
     while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
+        done, _ = await asyncio.wait({task}, timeout=0.1)
         if done:
             return task.result()
         if await request.is_disconnected():
