@@ -217,8 +217,11 @@ class AdapterManager:
 
     def _read(self, ref: AdapterRef) -> LoraWeights:
         path = self._fetch(ref)
-        return load_lora(path, self.model, max_rank=self.config.max_lora_rank, dtype=self.dtype,
-                         name=ref.name, expected_content_id=ref.content_id)
+        weights = load_lora(path, self.model, max_rank=self.config.max_lora_rank, dtype=self.dtype,
+                            name=ref.name, expected_content_id=ref.content_id)
+        if isinstance(self.cpu, NativeSlotTable):  # laid out for a slot here, off the step loop
+            weights = self.cpu.pack(weights)
+        return weights
 
     def _fetch(self, ref: AdapterRef) -> Path:
         """A local directory with the adapter's two files; remote URIs are copied into the cache once."""

@@ -4,12 +4,16 @@ A slot holds one contiguous fp32 buffer with, per (layer, group) the adapter tar
 matrices stacked ([sum of ranks, d_in], the parts' rows one after another) and then each part's Bt
 [rank, part width] with the LoRA scale folded in. A table [slots, layers, modules, 3] gives the kernel
 each module's A and Bt address and rank (rank 0: the slot's adapter skips the module; a free slot's
-rows are all 0). The buffer lives as long as the slot holds the adapter, so no address in the table
-outlives its tensor.
+rows are all 0). The loader threads lay an adapter out this way when they read it (`pack`), and the host
+tier keeps that form, so taking a slot on the step loop is one table-row write; the slot holds a
+reference to the buffer, so no address in the table outlives its tensor (the host tier may drop the
+adapter while a slot still serves it).
 
-A step's segments split by length: short ones (decode) go to the C kernel in one call per group; long
-ones (prefill chunks, a hot adapter's many rows) run as one mm for the group's shrink plus one addmm per
-part at the adapter's exact rank — MKL is ~4x faster than the C loop on a long segment (docs/engine.md).
+A step's segments split by work, rows x the adapter's rank: light ones (decode rows, and prefill chunks of
+low-rank adapters) go to the C kernel in one call per group; heavy ones run as one mm for the group's
+shrink plus one addmm per part at the adapter's exact rank. MKL wins only where a segment's work pays for
+its ~20 torch calls a step: measured on 16 group applications of one segment, the C loop is faster up to
+~256 rows at rank 4-8, ~128 at rank 16, ~48 at rank 32 and ~12 at rank 64 (docs/engine.md).
 Same interface as CpuSlotStacks (cpu_slots.py), the torch path it replaces when the kernel builds.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ from services.engine.kernels.sgmv_meta import SgmvMeta
 from services.engine.kernels.sgmv_native import NativeSgmv
 from services.engine.lora.weights import LoraWeights
 
-LONG_ROWS = 32  # segments with more rows than this run as MKL matmuls; shorter ones in the C kernel
+LONG_WORK = 1536  # segments with rows x adapter rank above this run as MKL matmuls; the others in the C kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +39,11 @@ class _GroupWeights:
 
 @dataclass(frozen=True, slots=True)
 class _Slot:
+    """An adapter's slot layout: shared by the host tier's entry and every slot that holds it."""
+
     buffer: torch.Tensor
     groups: dict[tuple[int, str], _GroupWeights]
+    table_rows: torch.Tensor  # [layers, modules, 3] int64: A address, Bt address, rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +63,13 @@ class NativeSlotTable:
         *,
         max_slots: int,
         kernel: NativeSgmv,
-        long_rows: int = LONG_ROWS,
+        long_work: int = LONG_WORK,
     ):
         self.num_layers = num_layers
         self.slices = slices
         self.kernel = kernel
-        self.long_rows = long_rows
+        self.long_work = long_work
+        self.slot_rank = torch.zeros(max_slots, dtype=torch.int64)  # the largest rank of each slot's adapter
         self.modules = [m for parts in slices.values() for m, _, _ in parts]
         self.parts = {group: torch.tensor([[self.modules.index(m), off, size] for m, off, size in parts], dtype=torch.int64)
                       for group, parts in slices.items()}
@@ -71,12 +79,10 @@ class NativeSlotTable:
         self.dtype = torch.float32
 
     # -- install / evict -------------------------------------------------------------------------
-    def install(self, slot: int, weights: LoraWeights) -> None:
-        """Copy an adapter's weights into a buffer of its own for `slot` (whatever it held is evicted)."""
-        assert not self._active[slot], "an active slot cannot be overwritten"
-        self.evict(slot)
-        # One cat builds the buffer and one write fills the slot's table rows: an install runs on the step
-        # loop, so it costs a handful of tensor ops, not a few per module.
+    def pack(self, weights: LoraWeights) -> LoraWeights:
+        """The adapter laid out for a slot: one fp32 buffer, its table rows and per-group views. Reads only
+        the table's fixed shape, so the loader threads run it; `weights.tensors` become views into the
+        buffer (the host tier keeps one copy of the weights, not two)."""
         pieces: list[torch.Tensor] = []
         placed: list[tuple[int, str, list[tuple[int, int, int, int, int, int]]]] = []  # per (layer, group)
         at = 0
@@ -101,19 +107,33 @@ class NativeSlotTable:
         base, item = buffer.data_ptr(), buffer.element_size()
         rows = [[[0, 0, 0] for _ in self.modules] for _ in range(self.num_layers)]
         groups: dict[tuple[int, str], _GroupWeights] = {}
+        tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, group, ((a_at, a_rows, d_in), *spans) in placed:
             a_cat = buffer[a_at : a_at + a_rows * d_in].view(a_rows, d_in)
             parts = []
             for mi, off, size, row, r, b_at in spans:
                 rows[layer][mi] = [base + (a_at + row * d_in) * item, base + b_at * item, r]
-                parts.append((off, row, r, buffer[b_at : b_at + r * size].view(r, size)))
+                bt = buffer[b_at : b_at + r * size].view(r, size)
+                parts.append((off, row, r, bt))
+                tensors[(layer, self.modules[mi])] = (a_cat[row : row + r], bt.t())
             groups[(layer, group)] = _GroupWeights(a_cat, tuple(parts))
-        self.table[slot] = torch.tensor(rows, dtype=torch.int64)
-        self._slots[slot] = _Slot(buffer, groups)
+        layout = _Slot(buffer, groups, torch.tensor(rows, dtype=torch.int64))
+        return LoraWeights(weights.content_id, weights.name, weights.max_rank, tensors, slot_layout=layout)
+
+    def install(self, slot: int, weights: LoraWeights) -> None:
+        """Give `slot` the adapter's packed buffer (whatever it held is evicted): a table-row write when the
+        loader packed it already (`pack`), else it is packed here."""
+        assert not self._active[slot], "an active slot cannot be overwritten"
+        self.evict(slot)
+        layout = weights.slot_layout if isinstance(weights.slot_layout, _Slot) else self.pack(weights).slot_layout
+        self.table[slot] = layout.table_rows
+        self.slot_rank[slot] = weights.max_rank
+        self._slots[slot] = layout
 
     def evict(self, slot: int) -> None:
         assert not self._active[slot], "an active slot cannot be evicted"
         self.table[slot].zero_()  # before the buffer goes: no address in the table outlives its tensor
+        self.slot_rank[slot] = 0
         self._slots[slot] = None
 
     def activate(self, slot: int) -> None:
@@ -132,11 +152,13 @@ class NativeSlotTable:
         slots = meta.seg_slots.to("cpu", torch.int64)
         start, end = starts[:-1], starts[1:]
         segs = torch.stack((start, end, slots), 1)
-        short = segs[(slots >= 0) & (end - start <= self.long_rows)].contiguous()
+        work = (end - start) * self.slot_rank[slots.clamp(min=0)]
+        light = (work <= self.long_work) | (slots < 0)
+        short = segs[(slots >= 0) & light].contiguous()
         long = []
-        if meta.max_lora_seg_len > self.long_rows:  # rare in decode: only then walk the segments in Python
+        if not bool(light.all()):  # rare in decode: only then walk the segments in Python
             for slot, start_, end_ in meta.lora_segments():
-                if end_ - start_ <= self.long_rows:
+                if (end_ - start_) * int(self.slot_rank[slot]) <= self.long_work:
                     continue
                 rows = None
                 if order is not None:

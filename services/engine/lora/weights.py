@@ -40,6 +40,9 @@ class LoraWeights:
     max_rank: int
     # (layer, module) -> (A [r, in], B [out, r] with the LoRA scale folded in)
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # The adapter already laid out for a native CPU slot (NativeSlotTable.pack, run by the loader thread so
+    # that taking a slot on the step loop copies no weights); `tensors` are then views into its buffer.
+    slot_layout: object | None = None
 
     @property
     def nbytes(self) -> int:

@@ -27,8 +27,8 @@ def kernel():
     return sgmv_native.load()
 
 
-def table(kernel, max_slots: int, long_rows: int = 32) -> NativeSlotTable:
-    return NativeSlotTable(LAYERS, slices(), max_slots=max_slots, kernel=kernel, long_rows=long_rows)
+def table(kernel, max_slots: int, long_work: int = 1536) -> NativeSlotTable:
+    return NativeSlotTable(LAYERS, slices(), max_slots=max_slots, kernel=kernel, long_work=long_work)
 
 
 def check_all(tb: NativeSlotTable, token_slots: torch.Tensor, owners, seed=0):
@@ -46,12 +46,12 @@ def check_all(tb: NativeSlotTable, token_slots: torch.Tensor, owners, seed=0):
 @given(
     specs=st.lists(adapter_spec, min_size=1, max_size=6),
     counts=st.lists(st.integers(0, 9), min_size=7, max_size=7),  # rows per slot; index 6 = base rows (slot -1)
-    long_rows=st.integers(1, 8),
+    long_work=st.integers(1, 64),  # rows x rank above it: the MKL path
     shuffle=st.booleans(),
     seed=st.integers(0, 10_000),
 )
-def test_native_apply_matches_the_per_token_oracle(kernel, specs, counts, long_rows, shuffle, seed):
-    tb = table(kernel, max_slots=len(specs) + 1, long_rows=long_rows)
+def test_native_apply_matches_the_per_token_oracle(kernel, specs, counts, long_work, shuffle, seed):
+    tb = table(kernel, max_slots=len(specs) + 1, long_work=long_work)
     owners = {}
     for slot, (targets, rank, vary) in enumerate(specs):
         ranks = {(layer, m): max(1, rank - (layer if vary else 0)) for layer in range(LAYERS) for m in targets}
@@ -68,8 +68,8 @@ def test_native_apply_matches_the_per_token_oracle(kernel, specs, counts, long_r
 
 
 def test_long_and_short_segments_and_holes_in_one_step(kernel):
-    tb = table(kernel, max_slots=4, long_rows=3)
-    owners = {0: make_adapter(1, ["q_proj", "v_proj", "down_proj"], {(l, m): 3 for l in range(LAYERS) for m in DIMS}),
+    tb = table(kernel, max_slots=4, long_work=18)  # slot 0: 5-6 rows x rank 4 > 18 (MKL); slot 2: 2 x 8 (C)
+    owners = {0: make_adapter(1, ["q_proj", "v_proj", "down_proj"], {(l, m): 4 for l in range(LAYERS) for m in DIMS}),
               2: make_adapter(2, list(DIMS), {(l, m): 8 for l in range(LAYERS) for m in DIMS})}
     for slot, w in owners.items():
         tb.install(slot, w)
