@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch  # first: its libgomp is the OpenMP runtime the kernel's -fopenmp links against (same soname)
 
-from services.engine.kernels.native_build import NativeKernelUnavailable, library
+from services.engine.kernels.native_build import NativeKernelUnavailable, library, open_library
 
 SOURCE = Path(__file__).with_name("attention_cpu_native.c")
 ABI_VERSION = 1
@@ -38,12 +38,7 @@ class NativeAttention:
 
     def __init__(self, path: Path):
         self.path = path
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise NativeKernelUnavailable(f"loading {path} failed: {exc}") from exc
-        if lib.mplex_attn_abi_version() != ABI_VERSION:
-            raise NativeKernelUnavailable(f"{path} has ABI {lib.mplex_attn_abi_version()}, expected {ABI_VERSION}")
+        lib = open_library(path, "mplex_attn_abi_version", ABI_VERSION)
         fn = lib.mplex_paged_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64,

@@ -8,6 +8,7 @@ the engine falls back to its torch paths (cpu_kernel / cpu_attention = "auto").
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -73,3 +74,15 @@ def library(source: Path, name: str, flags: tuple[str, ...] = FLAGS) -> Path:
     if not path.exists():
         _compile(source, cc, flags, path)
     return path
+
+
+def open_library(path: Path, abi_symbol: str, abi_version: int) -> ctypes.CDLL:
+    """Load a built kernel and check its ABI version; raises NativeKernelUnavailable."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeKernelUnavailable(f"loading {path} failed: {exc}") from exc
+    found = getattr(lib, abi_symbol)()
+    if found != abi_version:
+        raise NativeKernelUnavailable(f"{path} has ABI {found}, expected {abi_version}")
+    return lib

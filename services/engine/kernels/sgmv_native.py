@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch  # first: its libgomp is the OpenMP runtime the kernel's -fopenmp links against (same soname)
 
-from services.engine.kernels.native_build import NativeKernelUnavailable, library
+from services.engine.kernels.native_build import NativeKernelUnavailable, library, open_library
 
 SOURCE = Path(__file__).with_name("sgmv_cpu_native.c")
 MAX_RANK = 512  # MPLEX_MAX_RANK in the C source: the largest max_lora_rank the config accepts
@@ -42,12 +42,7 @@ class NativeSgmv:
 
     def __init__(self, path: Path):
         self.path = path
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise NativeKernelUnavailable(f"loading {path} failed: {exc}") from exc
-        if lib.mplex_sgmv_abi_version() != ABI_VERSION:
-            raise NativeKernelUnavailable(f"{path} has ABI {lib.mplex_sgmv_abi_version()}, expected {ABI_VERSION}")
+        lib = open_library(path, "mplex_sgmv_abi_version", ABI_VERSION)
         fn = lib.mplex_sgmv_group
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, i64]
