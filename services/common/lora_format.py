@@ -5,6 +5,7 @@ codes. Adapter files are data: safetensors and a JSON config only; nothing here 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -12,7 +13,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -146,14 +147,13 @@ class TensorKey:
     layer: int
     module: str  # one of SUPPORTED_MODULES
     which: str  # "A" or "B"
-
-    @property
-    def module_key(self) -> str:
-        """The module's name in the base model, as PEFT's rank/alpha patterns see it."""
-        return f"model.layers.{self.layer}.{MODULE_GROUP[self.module]}.{self.module}"
+    module_key: str  # the module's name in the base model, as PEFT's rank/alpha patterns see it
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_tensor_key(name: str) -> TensorKey:
+    """The layer, module and A/B of a tensor name (cached: every adapter of a base model uses the same
+    few hundred names, and the engine's loader parses each adapter's on every load); raises for others."""
     m = _KEY.match(name)
     if m is None:
         if "embed_tokens" in name or "lm_head" in name:
@@ -164,11 +164,11 @@ def parse_tensor_key(name: str) -> TensorKey:
     module = m["module"]
     if module not in SUPPORTED_MODULES or MODULE_GROUP[module] != m["group"]:
         raise AdapterFormatError("unknown_target_module", f"tensor {name!r} targets unsupported module {module!r}")
-    return TensorKey(int(m["layer"]), module, m["which"])
+    layer = int(m["layer"])
+    return TensorKey(layer, module, m["which"], f"model.layers.{layer}.{m['group']}.{module}")
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     start: int
@@ -210,21 +210,27 @@ def _parse_header(raw: bytes, size: int) -> dict[str, TensorInfo]:
     data_len = size - 8 - n
     out: dict[str, TensorInfo] = {}
     spans = []
-    for name, meta in header.items():
+    for name, meta in header.items():  # the engine parses every adapter on every load: kept lean
         if name == "__metadata__":
             continue
         try:
             dtype, shape, (start, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise AdapterFormatError("bad_header", f"tensor {name!r} has a malformed header entry") from None
-        if dtype not in DTYPE_BYTES:
+        width = DTYPE_BYTES.get(dtype) if type(dtype) is str else None
+        if width is None:
             raise AdapterFormatError("bad_dtype", f"tensor {name!r} has unsupported dtype {dtype!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (isinstance(start, int) and isinstance(end, int)):
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise AdapterFormatError("bad_header", f"tensor {name!r} has a malformed shape or offsets")
+            count *= d
+        if type(start) is not int or type(end) is not int:
             raise AdapterFormatError("bad_header", f"tensor {name!r} has a malformed shape or offsets")
         if not 0 <= start <= end <= data_len:
             raise AdapterFormatError("bad_offsets", f"tensor {name!r} points outside the file ({start}..{end} of {data_len})")
-        if math.prod(shape) * DTYPE_BYTES[dtype] != end - start:
-            raise AdapterFormatError("dtype_shape_mismatch", f"tensor {name!r}: {dtype}{list(shape)} needs {math.prod(shape) * DTYPE_BYTES[dtype]} bytes, has {end - start}")
+        if count * width != end - start:
+            raise AdapterFormatError("dtype_shape_mismatch", f"tensor {name!r}: {dtype}{list(shape)} needs {count * width} bytes, has {end - start}")
         spans.append((start, end, name))
         out[name] = TensorInfo(dtype, shape, start, end)
     spans.sort()

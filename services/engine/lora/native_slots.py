@@ -18,13 +18,15 @@ Same interface as CpuSlotStacks (cpu_slots.py), the torch path it replaces when 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine.kernels.sgmv_meta import SgmvMeta
 from services.engine.kernels.sgmv_native import NativeSgmv
-from services.engine.lora.weights import LoraWeights
+from services.engine.lora.weights import LoraArrays, LoraModule, LoraWeights
 
 LONG_WORK = 1536  # segments with rows x adapter rank above this run as MKL matmuls; the others in the C kernel
 
@@ -37,13 +39,62 @@ class _GroupWeights:
     parts: tuple[tuple[int, int, int, torch.Tensor], ...]  # (output offset, A row offset, rank, Bt [rank, size])
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    """An adapter's slot layout: shared by the host tier's entry and every slot that holds it."""
+# Where one (layer, group) of an adapter sits in its buffer: A's offset, rows and width, and per targeted
+# part (module index, output offset, output size, A row, rank, Bt offset). Offsets count floats.
+_Placed = tuple[int, str, int, int, int, tuple[tuple[int, int, int, int, int, int], ...]]
 
-    buffer: torch.Tensor
-    groups: dict[tuple[int, str], _GroupWeights]
-    table_rows: torch.Tensor  # [layers, modules, 3] int64: A address, Bt address, rank
+
+class _Slot:
+    """An adapter's slot layout: shared by the host tier's entry and every slot that holds it.
+
+    The torch views of the buffer (per-group for the MKL path, per-module for `LoraWeights.tensors`) are
+    made on first use: a load makes none, so the loader thread spends its time in numpy copies, not in
+    a hundred small torch calls that hold the GIL the step loop needs."""
+
+    __slots__ = ("buffer", "table_rows", "placed", "_groups")
+
+    def __init__(self, buffer: torch.Tensor, table_rows: torch.Tensor, placed: tuple[_Placed, ...]):
+        self.buffer = buffer
+        self.table_rows = table_rows  # [layers, modules, 3] int64: A address, Bt address, rank
+        self.placed = placed
+        self._groups: dict[tuple[int, str], _GroupWeights] | None = None
+
+    @property
+    def groups(self) -> dict[tuple[int, str], _GroupWeights]:
+        if self._groups is None:
+            groups = {}
+            for layer, group, a_at, a_rows, d_in, spans in self.placed:
+                a = self.buffer[a_at : a_at + a_rows * d_in].view(a_rows, d_in)
+                groups[(layer, group)] = _GroupWeights(a, tuple(
+                    (off, row, r, self.buffer[b_at : b_at + r * size].view(r, size)) for _, off, size, row, r, b_at in spans))
+            self._groups = groups
+        return self._groups
+
+
+class _SlotViews(Mapping):
+    """`LoraWeights.tensors` of a packed adapter: (A, B) views into its buffer, made on first access."""
+
+    def __init__(self, layout: _Slot, modules: list[str]):
+        self._layout, self._modules, self._views = layout, modules, None
+
+    def _all(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        if self._views is None:
+            views, groups = {}, self._layout.groups
+            for layer, group, *_, spans in self._layout.placed:
+                gw = groups[(layer, group)]
+                for (mi, *_), (_, row, r, bt) in zip(spans, gw.parts):
+                    views[(layer, self._modules[mi])] = (gw.a[row : row + r], bt.t())
+            self._views = views
+        return self._views
+
+    def __getitem__(self, key):
+        return self._all()[key]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return sum(len(p[5]) for p in self._layout.placed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +121,9 @@ class NativeSlotTable:
         self.kernel = kernel
         self.long_work = long_work
         self.slot_rank = torch.zeros(max_slots, dtype=torch.int64)  # the largest rank of each slot's adapter
+        self._rank = [0] * max_slots  # the same, for plan_runs
         self.modules = [m for parts in slices.values() for m, _, _ in parts]
+        self.part_modules = {group: [self.modules.index(m) for m, _, _ in parts] for group, parts in slices.items()}
         self.parts = {group: torch.tensor([[self.modules.index(m), off, size] for m, off, size in parts], dtype=torch.int64)
                       for group, parts in slices.items()}
         self.table = torch.zeros(max_slots, num_layers, len(self.modules), 3, dtype=torch.int64)
@@ -79,46 +132,51 @@ class NativeSlotTable:
         self.dtype = torch.float32
 
     # -- install / evict -------------------------------------------------------------------------
-    def pack(self, weights: LoraWeights) -> LoraWeights:
-        """The adapter laid out for a slot: one fp32 buffer, its table rows and per-group views. Reads only
-        the table's fixed shape, so the loader threads run it; `weights.tensors` become views into the
-        buffer (the host tier keeps one copy of the weights, not two)."""
-        pieces: list[torch.Tensor] = []
-        placed: list[tuple[int, str, list[tuple[int, int, int, int, int, int]]]] = []  # per (layer, group)
+    def pack(self, weights: LoraArrays | LoraWeights) -> LoraWeights:
+        """The adapter laid out for a slot: one fp32 buffer and its table rows. Reads only the table's fixed
+        shape, so the loader threads run it, straight from the file's arrays (`read_lora`): one numpy copy
+        per A, one scaled transposing copy per B, and one finiteness check over the whole buffer. A
+        LoraWeights (B already scaled) is accepted too. `tensors` of the result are views into the buffer."""
+        if isinstance(weights, LoraWeights):
+            one = np.float32(1.0)
+            weights = LoraArrays(weights.content_id, weights.name, weights.max_rank, tuple(
+                LoraModule(layer, m, a.float().numpy(), b.float().numpy(), one)
+                for (layer, m), (a, b) in sorted(weights.tensors.items())))
+        mods = {(m.layer, m.module): m for m in weights.modules}
+        placed: list[_Placed] = []
         at = 0
         for layer in range(self.num_layers):
             for group, parts in self.slices.items():
-                present = [(self.modules.index(m), off, size, *weights.tensors[(layer, m)])
-                           for m, off, size in parts if (layer, m) in weights.tensors]
+                present = [(mi, off, size, mods[(layer, m)]) for (m, off, size), mi in zip(parts, self.part_modules[group])
+                           if (layer, m) in mods]
                 if not present:
                     continue
-                a_at = at
-                pieces += [a.reshape(-1) for _, _, _, a, _ in present]
-                at += sum(a.numel() for _, _, _, a, _ in present)
+                d_in = present[0][3].a.shape[1]
+                a_at, a_rows = at, sum(m.a.shape[0] for *_, m in present)
+                at += a_rows * d_in
                 spans, row = [], 0
-                for mi, off, size, a, b in present:
-                    pieces.append(b.t().reshape(-1))
-                    spans.append((mi, off, size, row, a.shape[0], at))
-                    row += a.shape[0]
-                    at += b.numel()
-                placed.append((layer, group, [(a_at, row, present[0][3].shape[1])] + spans))
-        buffer = torch.cat(pieces).to(self.dtype) if pieces else torch.empty(0, dtype=self.dtype)
-        assert buffer.numel() == at
-        base, item = buffer.data_ptr(), buffer.element_size()
-        rows = [[[0, 0, 0] for _ in self.modules] for _ in range(self.num_layers)]
-        groups: dict[tuple[int, str], _GroupWeights] = {}
-        tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, group, ((a_at, a_rows, d_in), *spans) in placed:
-            a_cat = buffer[a_at : a_at + a_rows * d_in].view(a_rows, d_in)
-            parts = []
-            for mi, off, size, row, r, b_at in spans:
-                rows[layer][mi] = [base + (a_at + row * d_in) * item, base + b_at * item, r]
-                bt = buffer[b_at : b_at + r * size].view(r, size)
-                parts.append((off, row, r, bt))
-                tensors[(layer, self.modules[mi])] = (a_cat[row : row + r], bt.t())
-            groups[(layer, group)] = _GroupWeights(a_cat, tuple(parts))
-        layout = _Slot(buffer, groups, torch.tensor(rows, dtype=torch.int64))
-        return LoraWeights(weights.content_id, weights.name, weights.max_rank, tensors, slot_layout=layout)
+                for mi, off, size, m in present:
+                    r = m.a.shape[0]
+                    spans.append((mi, off, size, row, r, at))
+                    row += r
+                    at += r * size
+                placed.append((layer, group, a_at, a_rows, d_in, tuple(spans)))
+        buf = np.empty(at, np.float32)
+        base = buf.ctypes.data
+        rows = np.zeros((self.num_layers, len(self.modules), 3), np.int64)
+        with np.errstate(over="ignore"):  # a scale that overflows a weight to Inf is refused below
+            for layer, group, a_at, _, d_in, spans in placed:
+                for mi, off, size, row, r, b_at in spans:
+                    m = mods[(layer, self.modules[mi])]
+                    start = a_at + row * d_in
+                    buf[start : start + r * d_in].reshape(r, d_in)[...] = m.a
+                    np.multiply(m.b.T, m.scale, out=buf[b_at : b_at + r * size].reshape(r, size))
+                    rows[layer, mi] = (base + start * 4, base + b_at * 4, r)
+        if not np.isfinite(buf).all():
+            weights.refuse_nonfinite()
+        layout = _Slot(torch.from_numpy(buf), torch.from_numpy(rows), tuple(placed))
+        return LoraWeights(weights.content_id, weights.name, weights.max_rank, _SlotViews(layout, self.modules),
+                           slot_layout=layout)
 
     def install(self, slot: int, weights: LoraWeights) -> None:
         """Give `slot` the adapter's packed buffer (whatever it held is evicted): a table-row write when the
@@ -128,12 +186,14 @@ class NativeSlotTable:
         layout = weights.slot_layout if isinstance(weights.slot_layout, _Slot) else self.pack(weights).slot_layout
         self.table[slot] = layout.table_rows
         self.slot_rank[slot] = weights.max_rank
+        self._rank[slot] = weights.max_rank
         self._slots[slot] = layout
 
     def evict(self, slot: int) -> None:
         assert not self._active[slot], "an active slot cannot be evicted"
         self.table[slot].zero_()  # before the buffer goes: no address in the table outlives its tensor
         self.slot_rank[slot] = 0
+        self._rank[slot] = 0
         self._slots[slot] = None
 
     def activate(self, slot: int) -> None:
@@ -171,6 +231,21 @@ class NativeSlotTable:
                 long.append((slot, start_, end_, rows))
         pos = None if order is None else order.to("cpu", torch.int64).contiguous()
         return NativePlan(pos, short, tuple(long))
+
+    def plan_runs(self, runs: tuple[tuple[int, int, int], ...]) -> NativePlan:
+        """The plan for a batch whose rows are grouped by slot: `runs` are its (slot, start, end) row
+        ranges, each slot once (-1: base-model rows). Same split by work as `plan`."""
+        short, long = [], []
+        rank, limit = self._rank, self.long_work
+        for slot, start, end in runs:
+            if slot < 0:
+                continue
+            if (end - start) * rank[slot] <= limit:
+                short.append((start, end, slot))
+            else:
+                long.append((slot, start, end, None))
+        segs = torch.tensor(short, dtype=torch.int64) if short else torch.empty(0, 3, dtype=torch.int64)
+        return NativePlan(None, segs, tuple(long))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: NativePlan) -> None:
         if plan.short.shape[0]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class LoraWeights:
     name: str
     max_rank: int
     # (layer, module) -> (A [r, in], B [out, r] with the LoRA scale folded in)
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    tensors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # The adapter already laid out for a native CPU slot (NativeSlotTable.pack, run by the loader thread so
     # that taking a slot on the step loop copies no weights); `tensors` are then views into its buffer.
     slot_layout: object | None = None
@@ -53,6 +54,39 @@ class LoraWeights:
         return sorted({m for _, m in self.tensors}, key=SUPPORTED_MODULES.index)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    """One targeted projection of a validated adapter file, before any copy: fp32 arrays (other float
+    dtypes widened), read-only views of the file's bytes where it held fp32."""
+
+    layer: int
+    module: str
+    a: np.ndarray  # [r, in]
+    b: np.ndarray  # [out, r], not yet scaled
+    scale: np.float32  # the LoRA scale (alpha / r, or alpha / sqrt(r) with rsLoRA)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraArrays:
+    """An adapter file read and checked against the base model (names, pairs, shapes, ranks, dtypes and
+    its content id); finiteness is checked where the weights are copied (`to_weights`, the slot packer)."""
+
+    content_id: str
+    name: str
+    max_rank: int
+    modules: tuple[LoraModule, ...]  # sorted by (layer, module name)
+
+    def first_nonfinite(self) -> LoraModule | None:
+        """The first module with a NaN or Inf weight (or one its scale overflows to Inf), or None."""
+        with np.errstate(over="ignore"):
+            return next((m for m in self.modules if not (np.isfinite(m.a).all() and np.isfinite(m.b * m.scale).all())), None)
+
+    def refuse_nonfinite(self) -> None:
+        bad = self.first_nonfinite()
+        if bad is not None:
+            raise AdapterFormatError("nan_weights", f"layer {bad.layer} {bad.module} has NaN or Inf weights")
+
+
 def load_lora(
     adapter_dir: Path,
     model: ModelConfig,
@@ -62,6 +96,32 @@ def load_lora(
     name: str = "",
     expected_content_id: str | None = None,
 ) -> LoraWeights:
+    """The adapter as per-module torch tensors (B scaled), for the torch and CUDA paths."""
+    return to_weights(read_lora(adapter_dir, model, max_rank=max_rank, name=name,
+                                expected_content_id=expected_content_id), dtype)
+
+
+def to_weights(arrays: LoraArrays, dtype: torch.dtype) -> LoraWeights:
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for m in arrays.modules:
+        if not (np.isfinite(m.a).all() and np.isfinite(m.b).all()):
+            raise AdapterFormatError("nan_weights", f"layer {m.layer} {m.module} has NaN or Inf weights")
+        # fp32, as torch computes b.float() * scale; both arrays are fresh, aligned and owned by the tensors
+        a_t, b_t = torch.from_numpy(np.array(m.a, dtype=np.float32)), torch.from_numpy(m.b * m.scale)
+        tensors[(m.layer, m.module)] = (a_t, b_t) if dtype == torch.float32 else (a_t.to(dtype), b_t.to(dtype))
+    return LoraWeights(arrays.content_id, arrays.name, arrays.max_rank, tensors)
+
+
+def read_lora(
+    adapter_dir: Path,
+    model: ModelConfig,
+    *,
+    max_rank: int,
+    name: str = "",
+    expected_content_id: str | None = None,
+) -> LoraArrays:
+    """Read and check an adapter directory (one read of the weights file: hashed for the content id,
+    its header validated, the tensors viewed in place). Everything wrong is an AdapterFormatError."""
     adapter_dir = Path(adapter_dir)
     if not adapter_dir.is_dir():
         raise AdapterFormatError("missing_file", f"adapter directory {adapter_dir} does not exist")
@@ -81,13 +141,15 @@ def load_lora(
         raise AdapterFormatError("empty_adapter", "the adapter has no tensors")
     dims = module_dims(model)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
+    scales: dict[tuple[int, str], np.float32] = {}
     for tensor_name, info in header.items():
         key = parse_tensor_key(tensor_name)
         if key.layer >= model.num_layers:
             raise AdapterFormatError("shape_mismatch", f"tensor {tensor_name!r} is for layer {key.layer}; the base model has {model.num_layers}")
         if info.dtype not in FLOAT_DTYPES:
             raise AdapterFormatError("bad_dtype", f"tensor {tensor_name!r} has non-float dtype {info.dtype}")
-        rank = cfg.rank_for(key.module_key)
+        module_key = key.module_key
+        rank = cfg.rank_for(module_key)
         d_in, d_out = dims[key.module]
         want = (rank, d_in) if key.which == "A" else (d_out, rank)
         if info.shape != want:
@@ -98,24 +160,19 @@ def load_lora(
         if key.which in slot:
             raise AdapterFormatError("duplicate_tensor", f"two lora_{key.which} tensors for layer {key.layer} {key.module}")
         slot[key.which] = tensor_name
-    # One read of the whole file, its header validated above (offsets inside the data, no overlaps, sizes
-    # matching dtype x shape), and the arithmetic in numpy. Loads run on worker threads beside the step
-    # loop: a torch op big enough for intra-op parallelism would start a second OpenMP team on the loader
-    # thread, whose spinning workers then take the step loop's cores (measured: Zipf multi-LoRA throughput
-    # 0.92x -> 0.69x base from one torch.cat over an adapter's tensors here). numpy stays on this thread.
+        if key.which == "A":
+            scales[(key.layer, key.module)] = np.float32(cfg.scale_for(module_key, rank))
+    # The arithmetic stays in numpy: loads run on a worker thread beside the step loop, and a torch op big
+    # enough for intra-op parallelism would start a second OpenMP team on it, whose spinning workers then
+    # take the step loop's cores (measured: Zipf multi-LoRA throughput 0.92x -> 0.69x base from one
+    # torch.cat over an adapter's tensors here).
     arrays = _arrays(data, {name: header[name] for names in pairs.values() for name in names.values()})
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    modules = []
     for (layer, module), names in sorted(pairs.items()):
-        if set(names) != {"A", "B"}:
+        if len(names) != 2:
             raise AdapterFormatError("missing_tensor", f"layer {layer} {module} has lora_{''.join(names)} but not its pair")
-        a, b = arrays[names["A"]], arrays[names["B"]]
-        if not (np.isfinite(a).all() and np.isfinite(b).all()):
-            raise AdapterFormatError("nan_weights", f"layer {layer} {module} has NaN or Inf weights")
-        scale = np.float32(cfg.scale_for(parse_tensor_key(names["A"]).module_key, a.shape[0]))
-        # fp32, as torch computes b.float() * scale; both arrays are fresh, aligned and owned by the tensors
-        a_t, b_t = torch.from_numpy(np.array(a, dtype=np.float32)), torch.from_numpy(b * scale)
-        tensors[(layer, module)] = (a_t, b_t) if dtype == torch.float32 else (a_t.to(dtype), b_t.to(dtype))
-    return LoraWeights(cid, name or adapter_dir.name, max(a.shape[0] for a, _ in tensors.values()), tensors)
+        modules.append(LoraModule(layer, module, arrays[names["A"]], arrays[names["B"]], scales[(layer, module)]))
+    return LoraArrays(cid, name or adapter_dir.name, max(m.a.shape[0] for m in modules), tuple(modules))
 
 
 def _arrays(data: bytes, infos: dict[str, TensorInfo]) -> dict[str, np.ndarray]:
