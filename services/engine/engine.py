@@ -326,7 +326,7 @@ class LLMEngine:
             a = self.adapters
             m.lora_slots_used.set(a.num_slots_used)
             m.lora_slots_total.set(self.config.lora.max_loras)
-            m.lora_host_cached.set(len(a.resident()))
+            m.lora_host_cached.set(a.num_host_resident)
             m.lora_slot_loads.inc(a.slot_loads - self._slot_loads_seen)
             self._slot_loads_seen = a.slot_loads
             for ev in a.load_events:

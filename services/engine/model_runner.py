@@ -26,6 +26,9 @@ class StepInputs:
     sampled: list[ScheduledSeq]
     token_slots: torch.Tensor  # [T] adapter slot per token (-1 = base)
     has_lora: bool
+    # (slot, first row, end row) runs of the flattened batch when its rows are grouped by slot (the
+    # scheduler sorts them so), else None: the native CPU LoRA path plans from these directly.
+    lora_runs: tuple[tuple[int, int, int], ...] | None = None
 
 
 class ModelRunner:
@@ -97,6 +100,7 @@ class ModelRunner:
         sample_rows = (offsets + lens - 1)[samples]
         slot_list = [s.lora_slot for s in scheduled]
         slots = torch.tensor(slot_list, dtype=torch.int64)
+        has_lora = max(slot_list) >= 0
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
@@ -104,7 +108,8 @@ class ModelRunner:
             sample_rows=sample_rows.to(dev),
             sampled=[s for s in scheduled if s.samples],
             token_slots=slots[seq_of_token].to(dev),
-            has_lora=max(slot_list) >= 0,
+            has_lora=has_lora,
+            lora_runs=_slot_runs(scheduled) if has_lora else None,
         )
 
     def sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
@@ -142,12 +147,29 @@ class ModelRunner:
         if inputs.has_lora:
             from services.engine.lora.step import StepLora
 
-            lora = StepLora(adapters, inputs.token_slots)
+            lora = StepLora(adapters, inputs.token_slots, inputs.lora_runs)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         if not inputs.sampled:
             return inputs, None
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
         return inputs, sample(logits, self.sampling_batch(inputs.sampled))
+
+
+def _slot_runs(scheduled: list[ScheduledSeq]) -> tuple[tuple[int, int, int], ...] | None:
+    """(slot, first row, end row) of each run of rows sharing an adapter slot, or None if a slot recurs
+    after another (the rows are then not grouped by slot)."""
+    runs: list[list[int]] = []
+    row = 0
+    for s in scheduled:
+        end = row + s.num_new_tokens
+        if runs and runs[-1][0] == s.lora_slot:
+            runs[-1][2] = end
+        else:
+            runs.append([s.lora_slot, row, end])
+        row = end
+    if len({r[0] for r in runs}) != len(runs):
+        return None
+    return tuple(map(tuple, runs))
 
 
 def _attention_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, max_buckets: int = 4) -> list[torch.Tensor]:

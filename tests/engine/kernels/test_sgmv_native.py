@@ -213,3 +213,114 @@ def test_a_broken_compile_names_the_compiler_error(tmp_path, monkeypatch):
         assert not list((tmp_path / "build" / "native").glob("*.so"))  # no half-written library left behind
     finally:
         sgmv_native.load.cache_clear()
+
+
+def _runs(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
+    runs: list[list[int]] = []
+    for row, s in enumerate(slots):
+        if runs and runs[-1][0] == s:
+            runs[-1][2] = row + 1
+        else:
+            runs.append([s, row, row + 1])
+    return tuple(map(tuple, runs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ranks=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    counts=st.lists(st.integers(0, 9), min_size=7, max_size=7),
+    long_work=st.integers(1, 64),
+    seed=st.integers(0, 10_000),
+)
+def test_planning_from_the_schedulers_slot_runs_equals_planning_from_the_token_map(kernel, ranks, counts, long_work, seed):
+    """The step loop plans a slot-sorted batch from its runs (no sort of the token->slot map): the same
+    segments, the same long/short split, the same bits out."""
+    tb = table(kernel, max_slots=len(ranks), long_work=long_work)
+    for slot, r in enumerate(ranks):
+        tb.install(slot, make_adapter(seed + slot, list(DIMS), {(l, m): r for l in range(LAYERS) for m in DIMS}))
+    slots = [-1] * counts[6] + [s for s in range(len(ranks)) for _ in range(counts[s])] or [-1]
+    want = tb.plan(build_sgmv_meta(torch.tensor(slots)))
+    got = tb.plan_runs(_runs(slots))
+    assert got.pos is None and want.pos is None
+    assert torch.equal(got.short, want.short) and got.long == want.long
+    for layer in range(LAYERS):
+        for group in GROUPS:
+            x, y = group_input(group, len(slots), seed + layer)
+            y2 = y.clone()
+            tb.apply(layer, group, x, y, want)
+            tb.apply(layer, group, x, y2, got)
+            assert torch.equal(y, y2)
+
+
+def test_slot_runs_of_a_schedule_and_a_recurring_slot():
+    from types import SimpleNamespace
+
+    from services.engine.model_runner import _slot_runs
+
+    def sched(*pairs):
+        return [SimpleNamespace(lora_slot=s, num_new_tokens=n) for s, n in pairs]
+
+    assert _slot_runs(sched((-1, 3), (0, 1), (0, 5), (4, 1))) == ((-1, 0, 3), (0, 3, 9), (4, 9, 10))
+    assert _slot_runs(sched((2, 1), (0, 1), (2, 1))) is None  # not grouped: the token map is sorted instead
+
+
+def test_pack_from_the_file_arrays_is_the_pack_of_the_loaded_tensors(kernel, tiny_model, tmp_path):
+    """The loader packs straight from the file's arrays (A copied, B scaled and transposed in one numpy op);
+    that must be bit-identical to packing the per-module tensors load_lora gives, with the same views."""
+    from services.engine.lora.weights import load_lora, read_lora
+    from services.modelkit import make_random_adapter
+
+    model = ModelConfig.from_dir(tiny_model)
+    path = make_random_adapter(tiny_model, tmp_path / "a", rank=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                               lora_alpha=7, seed=3)
+    sl = {g: [(m, off, size) for m, off, size in parts] for g, parts in _model_slices(model).items()}
+    tb = NativeSlotTable(model.num_layers, sl, max_slots=2, kernel=kernel)
+    fast = tb.pack(read_lora(path, model, max_rank=64))
+    ref = load_lora(path, model, max_rank=64, dtype=torch.float32)
+    slow = tb.pack(ref)
+    assert torch.equal(fast.slot_layout.buffer, slow.slot_layout.buffer)
+    assert torch.equal(fast.slot_layout.table_rows[..., 2], slow.slot_layout.table_rows[..., 2])
+    assert set(fast.tensors) == set(ref.tensors) and len(fast.tensors) == len(ref.tensors)
+    for key, (a, b) in ref.tensors.items():
+        fa, fb = fast.tensors[key]
+        assert torch.equal(fa, a) and torch.equal(fb, b)
+        assert fa.data_ptr() >= fast.slot_layout.buffer.data_ptr()  # views into the slot buffer, not copies
+    assert fast.nbytes == ref.nbytes and fast.target_modules == ref.target_modules
+    tb.install(0, fast)
+    tb.check_integrity()
+
+
+def _model_slices(model):
+    from services.engine.lora.manager import GROUPS as MGROUPS
+    from services.engine.lora.weights import module_dims
+
+    dims = module_dims(model)
+    out = {}
+    for group, modules in MGROUPS.items():
+        off, parts = 0, []
+        for m in modules:
+            parts.append((m, off, dims[m][1]))
+            off += dims[m][1]
+        out[group] = parts
+    return out
+
+
+@pytest.mark.parametrize("poison", ["nan_a", "inf_b", "overflow_by_scale"])
+def test_pack_refuses_non_finite_weights_naming_the_module(kernel, tiny_model, tmp_path, poison):
+    from safetensors.torch import load_file, save_file
+
+    from services.common.lora_format import WEIGHTS_FILE, AdapterFormatError
+    from services.engine.lora.weights import read_lora
+    from services.modelkit import make_random_adapter
+
+    model = ModelConfig.from_dir(tiny_model)
+    path = make_random_adapter(tiny_model, tmp_path / "a", rank=2, target_modules=["k_proj", "o_proj"], lora_alpha=8, seed=5)
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    which = "lora_A" if poison == "nan_a" else "lora_B"
+    name = next(n for n in sorted(tensors) if "layers.1." in n and f"o_proj.{which}" in n)
+    tensors[name][0, 0] = {"nan_a": float("nan"), "inf_b": float("inf"), "overflow_by_scale": 3e38}[poison]
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    tb = NativeSlotTable(model.num_layers, _model_slices(model), max_slots=1, kernel=kernel)
+    with pytest.raises(AdapterFormatError, match="layer 1 o_proj has NaN or Inf") as info:
+        tb.pack(read_lora(path, model, max_rank=64))  # alpha 8 / r 2: a scale of 4 takes 3e38 past fp32
+    assert info.value.code == "nan_weights"
