@@ -53,6 +53,18 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def group_slices(dims: dict[str, tuple[int, int]]) -> dict[str, list[tuple[str, int, int]]]:
+    """group -> (module, output offset, output size) of each part of the group's fused output."""
+    out = {}
+    for group, modules in GROUPS.items():
+        off, parts = 0, []
+        for m in modules:
+            parts.append((m, off, dims[m][1]))
+            off += dims[m][1]
+        out[group] = parts
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class LoadEvent:
     content_id: str
@@ -80,13 +92,7 @@ class AdapterManager:
         n, r = config.max_loras, config.max_lora_rank
         dims = module_dims(model)
         self.fused = device == "cpu"
-        self.slices: dict[str, list[tuple[str, int, int]]] = {}  # group -> (module, out offset, out size)
-        for group, modules in GROUPS.items():
-            off, parts = 0, []
-            for m in modules:
-                parts.append((m, off, dims[m][1]))
-                off += dims[m][1]
-            self.slices[group] = parts
+        self.slices = group_slices(dims)
         # CPU: native per-slot buffers or torch rank-class stacks per group. CUDA: stacks[layer][module],
         # the SGMV kernels' operands.
         self.cpu: NativeSlotTable | CpuSlotStacks | None = None

@@ -120,12 +120,11 @@ class NativeSlotTable:
         self.slices = slices
         self.kernel = kernel
         self.long_work = long_work
-        self.slot_rank = torch.zeros(max_slots, dtype=torch.int64)  # the largest rank of each slot's adapter
-        self._rank = [0] * max_slots  # the same, for plan_runs
+        self._rank = [0] * max_slots  # the largest rank of each slot's adapter (0: free)
         self.modules = [m for parts in slices.values() for m, _, _ in parts]
         self.part_modules = {group: [self.modules.index(m) for m, _, _ in parts] for group, parts in slices.items()}
-        self.parts = {group: torch.tensor([[self.modules.index(m), off, size] for m, off, size in parts], dtype=torch.int64)
-                      for group, parts in slices.items()}
+        self.parts = {group: torch.tensor([[mi, off, size] for mi, (_, off, size) in zip(self.part_modules[group], parts)],
+                                          dtype=torch.int64) for group, parts in slices.items()}
         self.table = torch.zeros(max_slots, num_layers, len(self.modules), 3, dtype=torch.int64)
         self._slots: list[_Slot | None] = [None] * max_slots
         self._active = [False] * max_slots
@@ -185,14 +184,12 @@ class NativeSlotTable:
         self.evict(slot)
         layout = weights.slot_layout if isinstance(weights.slot_layout, _Slot) else self.pack(weights).slot_layout
         self.table[slot] = layout.table_rows
-        self.slot_rank[slot] = weights.max_rank
         self._rank[slot] = weights.max_rank
         self._slots[slot] = layout
 
     def evict(self, slot: int) -> None:
         assert not self._active[slot], "an active slot cannot be evicted"
         self.table[slot].zero_()  # before the buffer goes: no address in the table outlives its tensor
-        self.slot_rank[slot] = 0
         self._rank[slot] = 0
         self._slots[slot] = None
 
@@ -212,13 +209,14 @@ class NativeSlotTable:
         slots = meta.seg_slots.to("cpu", torch.int64)
         start, end = starts[:-1], starts[1:]
         segs = torch.stack((start, end, slots), 1)
-        work = (end - start) * self.slot_rank[slots.clamp(min=0)]
+        slot_rank = torch.tensor(self._rank, dtype=torch.int64)
+        work = (end - start) * slot_rank[slots.clamp(min=0)]
         light = (work <= self.long_work) | (slots < 0)
         short = segs[(slots >= 0) & light].contiguous()
         long = []
         if not bool(light.all()):  # rare in decode: only then walk the segments in Python
             for slot, start_, end_ in meta.lora_segments():
-                if (end_ - start_) * int(self.slot_rank[slot]) <= self.long_work:
+                if (end_ - start_) * self._rank[slot] <= self.long_work:
                     continue
                 rows = None
                 if order is not None:

@@ -6,6 +6,7 @@ adapter's A and B for each targeted module and adds the result at that module's 
 import torch
 from hypothesis import strategies as st
 
+from services.engine.lora.manager import GROUPS as MANAGER_GROUPS, group_slices
 from services.engine.lora.weights import LoraWeights
 
 LAYERS = 2
@@ -16,14 +17,8 @@ MAX_RANK = 8
 
 
 def slices():
-    out = {}
-    for group, modules in GROUPS.items():
-        off, parts = 0, []
-        for m in modules:
-            parts.append((m, off, DIMS[m][1]))
-            off += DIMS[m][1]
-        out[group] = parts
-    return out
+    assert GROUPS == MANAGER_GROUPS  # the oracle's groups are the engine's
+    return group_slices(DIMS)
 
 
 def make_adapter(seed: int, targets: list[str], ranks: dict[tuple[int, str], int]) -> LoraWeights:

@@ -273,8 +273,7 @@ def test_pack_from_the_file_arrays_is_the_pack_of_the_loaded_tensors(kernel, tin
     model = ModelConfig.from_dir(tiny_model)
     path = make_random_adapter(tiny_model, tmp_path / "a", rank=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                                lora_alpha=7, seed=3)
-    sl = {g: [(m, off, size) for m, off, size in parts] for g, parts in _model_slices(model).items()}
-    tb = NativeSlotTable(model.num_layers, sl, max_slots=2, kernel=kernel)
+    tb = NativeSlotTable(model.num_layers, _model_slices(model), max_slots=2, kernel=kernel)
     fast = tb.pack(read_lora(path, model, max_rank=64))
     ref = load_lora(path, model, max_rank=64, dtype=torch.float32)
     slow = tb.pack(ref)
@@ -291,18 +290,10 @@ def test_pack_from_the_file_arrays_is_the_pack_of_the_loaded_tensors(kernel, tin
 
 
 def _model_slices(model):
-    from services.engine.lora.manager import GROUPS as MGROUPS
+    from services.engine.lora.manager import group_slices
     from services.engine.lora.weights import module_dims
 
-    dims = module_dims(model)
-    out = {}
-    for group, modules in MGROUPS.items():
-        off, parts = 0, []
-        for m in modules:
-            parts.append((m, off, dims[m][1]))
-            off += dims[m][1]
-        out[group] = parts
-    return out
+    return group_slices(module_dims(model))
 
 
 @pytest.mark.parametrize("poison", ["nan_a", "inf_b", "overflow_by_scale"])
