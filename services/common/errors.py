@@ -36,7 +36,10 @@ class ApiError(Exception):
     @staticmethod
     def from_invalid_request(exc: InvalidRequest) -> ApiError:
         """The engine's request validation error (services.common.wire) as an API error."""
-        cls = {400: InvalidRequestError, 404: NotFoundError, 413: PayloadTooLargeError}.get(exc.status, InvalidRequestError)
+        if exc.status >= 500:  # failed (not refused) on its own account: a server error, never retried
+            return InternalServerError(exc.message, param=exc.param, code=exc.code)
+        cls = {400: InvalidRequestError, 404: NotFoundError, 409: ConflictError, 413: PayloadTooLargeError,
+               431: HeadersTooLargeError}.get(exc.status, InvalidRequestError)
         return cls(exc.message, param=exc.param, code=exc.code)
 
 
@@ -84,6 +87,12 @@ class PayloadTooLargeError(ApiError):
     default_code = "payload_too_large"
 
 
+class HeadersTooLargeError(ApiError):
+    status = 431
+    type = "invalid_request_error"
+    default_code = "request_headers_too_large"
+
+
 class RateLimitError(ApiError):
     """A per-minute or concurrency window is full; `headers` carry Retry-After and x-ratelimit-*."""
 
@@ -104,6 +113,14 @@ class InternalServerError(ApiError):
     status = 500
     type = "server_error"
     default_code = "internal_error"
+
+
+class BadGatewayError(ApiError):
+    """The engine holding the request failed before finishing it; it is not retried (it may be the cause)."""
+
+    status = 502
+    type = "server_error"
+    default_code = "engine_failed"
 
 
 class ServiceUnavailableError(ApiError):

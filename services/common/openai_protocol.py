@@ -9,11 +9,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.common.wire import InvalidRequest, Priority, SamplingParams
+from services.common.wire import (
+    MAX_CHOICES,
+    EngineUnavailable,
+    MAX_N,
+    MAX_PROMPTS,
+    InvalidRequest,
+    Priority,
+    SamplingParams,
+    check_text,
+)
 
-MAX_N = 8
+MAX_MESSAGES = 2048
 
 
 class StreamOptions(BaseModel):
@@ -23,7 +32,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=256)
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -31,7 +40,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=256)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -43,6 +52,16 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     priority: str | int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # Before anything else reads a string: a lone surrogate would fail in the tokenizer, the JSON
+        # encoder or a log line, far from here and as a 500.
+        if isinstance(data, dict):
+            for key, value in data.items():
+                check_text(value, key if isinstance(key, str) else "body")
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
@@ -52,7 +71,7 @@ class _Common(BaseModel):
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequest(f"n must be between 1 and {MAX_N}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
+            if getattr(self, name):  # NaN and infinities are truthy too: refused with the rest
                 raise InvalidRequest(f"{name} is not supported by this server; omit it or send 0", name)
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by this server", "logit_bias")
@@ -63,14 +82,14 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
-        seed = self.seed if self.seed is None or choice == 0 else (self.seed + choice) % (2**63)
+    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Choice 0's params; choice k's are `.with_seed_offset(k)` of these."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
-            seed=seed,
+            seed=self.seed,
             min_tokens=self.min_tokens,
             stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -108,6 +127,10 @@ class CompletionRequest(_Common):
             raise InvalidRequest("prompt must not be empty", "prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
+        if len(p) > MAX_PROMPTS:
+            raise InvalidRequest(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(p)}", "prompt")
+        if len(p) * self.n > MAX_CHOICES:
+            raise InvalidRequest(f"prompts x n may be at most {MAX_CHOICES}, got {len(p)} x {self.n}", "n")
         return list(p)
 
 
@@ -123,6 +146,8 @@ class ChatCompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if len(self.messages) > MAX_MESSAGES:
+            raise InvalidRequest(f"messages may hold at most {MAX_MESSAGES} messages", "messages")
         if self.tools:
             raise InvalidRequest("tools are not supported by this model", "tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -278,3 +303,23 @@ def _completion_lp(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The 400 body for a request body that failed to parse (FastAPI's RequestValidationError.errors()): the
+    first error, its location as the param; our own InvalidRequest raised inside a validator keeps its
+    own param, message and code."""
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequest):
+        return error_of(cause)
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return error_body(f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param)
+
+
+def error_of(exc: InvalidRequest | EngineUnavailable) -> dict[str, Any]:
+    """The OpenAI error body of a refusal or failure raised by either service."""
+    if isinstance(exc, InvalidRequest):
+        return error_body(exc.message, exc.error_type, exc.param, exc.code)
+    return error_body(exc.message, "server_error", None, exc.code)

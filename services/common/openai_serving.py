@@ -18,10 +18,15 @@ from services.common.openai_protocol import (
     Delta,
     ResponseBuilder,
     Usage,
+    error_of,
     resolve_max_tokens,
 )
 from services.common.prompting import PromptBuilder
-from services.common.wire import InvalidRequest, SamplingParams
+from services.common.wire import EngineUnavailable, InvalidRequest, SamplingParams, check_prompt_ids
+
+# Plans whose text is longer than this are tokenized on a worker thread: the Rust tokenizer releases the
+# GIL, and a long prompt must not hold the event loop (every other request's I/O) while it is encoded.
+INLINE_TOKENIZE_CHARS = 4096
 
 
 @dataclass(slots=True)
@@ -51,6 +56,47 @@ class OpenAIPlan:
         return self.jobs[0].params.logprobs is not None
 
 
+async def plan_request_async(
+    kind: Literal["chat", "completion"],
+    req: ChatCompletionRequest | CompletionRequest,
+    builder: PromptBuilder,
+    max_model_len: int,
+) -> OpenAIPlan:
+    """`plan_request`, off the event loop when the request carries enough text to take a while (a text too
+    long to ever fit is refused here first: no thread hop for it)."""
+    if longest_prompt_chars(req) > builder.max_chars(max_model_len):
+        raise _too_long(max_model_len, "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+    if text_chars(req) <= INLINE_TOKENIZE_CHARS:
+        return plan_request(kind, req, builder, max_model_len)
+    return await asyncio.to_thread(plan_request, kind, req, builder, max_model_len)
+
+
+def text_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """Characters of prompt text the request asks us to tokenize (an upper bound for chat: every string)."""
+    if isinstance(req, ChatCompletionRequest):
+        return _chars(req.messages)
+    p = req.prompt
+    return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
+
+
+def longest_prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """Characters of the longest single prompt (a chat's messages make one prompt)."""
+    if isinstance(req, ChatCompletionRequest):
+        return _chars(req.messages)
+    p = req.prompt
+    return len(p) if isinstance(p, str) else max((len(x) for x in p if isinstance(x, str)), default=0)
+
+
+def _chars(value) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
 def plan_request(
     kind: Literal["chat", "completion"],
     req: ChatCompletionRequest | CompletionRequest,
@@ -58,28 +104,36 @@ def plan_request(
     max_model_len: int,
 ) -> OpenAIPlan:
     req.check_supported()
+    # No prompt of more characters than this can fit the context, whatever its tokens: refuse it
+    # before spending time on tokenizing it.
+    max_chars = builder.max_chars(max_model_len)
     jobs: list[ChoiceJob] = []
     if isinstance(req, ChatCompletionRequest):
+        if _chars(req.messages) > max_chars:
+            raise _too_long(max_model_len, "messages")
         ids = builder.chat_ids(req.messages)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), max_model_len, param)
+        params = req.sampling(max_tokens, req.num_logprobs)
+        params.check_for_model(builder.vocab_size)
         for c in range(req.n):
-            jobs.append(ChoiceJob(c, ids, req.sampling(max_tokens, req.num_logprobs, c)))
+            jobs.append(ChoiceJob(c, ids, params.with_seed_offset(c)))
     else:
         for p_index, prompt in enumerate(req.prompts()):
             if isinstance(prompt, list):
-                if not prompt or not all(isinstance(t, int) for t in prompt):
-                    raise InvalidRequest("token prompts must be non-empty lists of integers", "prompt")
-                if min(prompt) < 0 or max(prompt) >= builder.vocab_size:
-                    raise InvalidRequest(f"prompt token ids must be in [0, {builder.vocab_size})", "prompt")
+                check_prompt_ids(prompt, builder.vocab_size)
                 ids = prompt
+            elif len(prompt) > max_chars:
+                raise _too_long(max_model_len, "prompt")
             else:
                 ids = builder.text_ids(prompt)
             if not ids:
                 raise InvalidRequest("prompt must not be empty", "prompt")
             max_tokens = resolve_max_tokens(req.max_tokens, len(ids), max_model_len)
+            params = req.sampling(max_tokens, req.logprobs)
+            params.check_for_model(builder.vocab_size)
             for c in range(req.n):
-                jobs.append(ChoiceJob(p_index * req.n + c, ids, req.sampling(max_tokens, req.logprobs, c)))
+                jobs.append(ChoiceJob(p_index * req.n + c, ids, params.with_seed_offset(c)))
     for job in jobs:
         if len(job.prompt_ids) >= max_model_len or len(job.prompt_ids) + job.params.max_tokens > max_model_len:
             n = len(job.prompt_ids)
@@ -91,6 +145,13 @@ def plan_request(
                 code="context_length_exceeded",
             )
     return OpenAIPlan(kind, req, jobs)
+
+
+def _too_long(max_model_len: int, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"This model's maximum context length is {max_model_len} tokens, and the {param} is longer than any "
+        f"text of that many tokens can be.", param, code="context_length_exceeded",
+    )
 
 
 # A choice stream yields deltas; its last item carries that choice's usage.
@@ -148,15 +209,31 @@ async def stream_sse(
     model: str,
     items: AsyncIterator[tuple[Delta, Usage | None]],
     on_usage: Callable[[Usage], None] | None = None,
+    on_sent: Callable[[int, int], None] | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> AsyncIterator[bytes]:
+    """SSE chunks of the merged choice streams. `on_sent(choice, tokens)` is called once a chunk has been
+    handed to the connection, for the tokens it carries (a hung-up client is billed for those only). A
+    refusal or engine failure mid-stream ends the stream with an OpenAI error event (`on_error` hears of
+    it), not a broken connection."""
     builder = ResponseBuilder(plan.kind, response_id, model, len(plan.jobs), plan.want_logprobs)
     usage = Usage()
+    pending = [0] * len(plan.jobs)  # tokens received per choice whose text has not been sent yet
     try:
         async for delta, u in items:
             if u is not None:
                 usage.add(u)
+            pending[delta.index] += len(delta.token_ids)
             if delta.text or delta.finish_reason or delta.logprobs:
                 yield sse(builder.chunk(delta))
+                if on_sent is not None:
+                    on_sent(delta.index, pending[delta.index])
+                pending[delta.index] = 0
+    except (InvalidRequest, EngineUnavailable) as exc:
+        if on_error is not None:
+            on_error(exc)
+        yield sse(error_of(exc))
+        return
     finally:
         await _close(items)  # a client that hangs up aborts every choice upstream at once
     if on_usage is not None:

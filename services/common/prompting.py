@@ -54,12 +54,19 @@ class PromptBuilder:
         model_cfg = model_dir / "config.json"
         vocab = json.loads(model_cfg.read_text()).get("vocab_size") if model_cfg.exists() else None
         self.vocab_size: int = int(vocab) if vocab else self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # The longest text one token can stand for (byte-level vocabularies: one character per byte).
+        self.max_token_chars = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
         self._template = None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(template)
+
+    def max_chars(self, max_model_len: int) -> int:
+        """A text longer than this cannot fit `max_model_len` tokens: each token stands for at most
+        `max_token_chars` characters; x2 covers normalizers that shorten text before it is split."""
+        return 2 * max_model_len * self.max_token_chars
 
     @property
     def has_chat_template(self) -> bool:

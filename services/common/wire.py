@@ -1,20 +1,70 @@
-"""Wire types shared by the gateway and the engine: sampling parameters, priorities, adapter identity.
+"""Wire types shared by the gateway and the engine: sampling parameters, priorities, adapter identity,
+the limits every request is held to, and how a failure says whose fault it was.
 
-Kept free of torch so the gateway can validate requests exactly as the engine will.
+Kept free of torch so the gateway can validate requests exactly as the engine will. `SamplingParams`
+cannot hold a value the engine's tensors, numpy or C kernels cannot take: every field is type- and
+range-checked when it is built, whoever builds it (the gateway's OpenAI parser, the engine's own API,
+the internal stream request, offline use).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
+
+# -- limits every side enforces -----------------------------------------------------------------------
+MAX_INT32 = 2**31 - 1  # token counts and ids cross into int32/int64 tensors and C kernels
+MAX_N = 8  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one /v1/completions list
+MAX_CHOICES = 64  # prompts x n: each is its own engine sequence (and concurrent-request unit)
+MAX_STOP = 8
+MAX_STOP_CHARS = 256  # each stop string is matched against every new token's text on the step loop
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): 1/t would overflow float32
+SEED_MIN, SEED_END = -(2**63), 2**64  # signed or unsigned 64-bit seeds are both accepted
+
+# A failure's owner travels with it from the engine to the gateway (response header on errors, a field
+# on an in-stream error line): only the engine's own faults are retried on another engine.
+FAULT_HEADER = "x-mplex-fault"
+FAULT_REQUEST = "request"  # this request's input or state: never retried anywhere
+FAULT_ENGINE = "engine"  # the engine cannot serve now (dead, draining, overloaded): another may
 
 
 class InvalidRequest(ValueError):
     """A request the engine refuses; `param` names the offending field (OpenAI error shape)."""
 
+    fault = FAULT_REQUEST
+
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
+
+    @property
+    def error_type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+
+class RequestFailed(InvalidRequest):
+    """The engine failed while serving this request (an error it could pin on the request, not a
+    refusal): that client gets a 500, its resources are released, and it is not retried elsewhere."""
+
+    def __init__(self, message: str, code: str = "request_failed"):
+        super().__init__(message, None, code, status=500)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests now (step loop dead, draining, overloaded): another engine may."""
+
+    fault = FAULT_ENGINE
+    status = 503
+
+    def __init__(self, message: str, code: str = "engine_unavailable"):
+        super().__init__(message)
+        self.message, self.code = message, code
 
 
 class Priority(enum.IntEnum):
@@ -32,13 +82,34 @@ class Priority(enum.IntEnum):
         raise InvalidRequest("priority must be 'interactive' or 'batch'", "priority")
 
 
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_text(value: Any, param: str) -> None:
+    """Refuse strings that are not valid Unicode (lone surrogates from JSON `\\ud800` escapes): they cannot
+    be tokenized, encoded as UTF-8 or logged. Walks lists and dicts; `param` names the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"{param} is not valid Unicode (lone surrogate at character {exc.start})", param) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, param)
+            check_text(v, f"{param}.{k}" if isinstance(k, str) and k.isidentifier() else param)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{param}[{i}]")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None
+    seed: int | None = None  # signed or unsigned 64-bit; `seed64` is what the sampler uses
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -47,26 +118,78 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+        temperature = _float(self.temperature, "temperature")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature!r}", "temperature")
+        top_p = _float(self.top_p, "top_p")
+        if not 0 < top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k!r}", "top_k")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        object.__setattr__(self, "temperature", 0.0 if temperature < GREEDY_BELOW else temperature)
+        object.__setattr__(self, "top_p", top_p)
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise InvalidRequest(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed < SEED_END):
+            raise InvalidRequest("seed must be an integer that fits in 64 bits", "seed")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest("min_tokens must be between 0 and max_tokens", "min_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
-        if len(self.stop) > 8 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequest("stop must be up to 8 non-empty strings", "stop")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise InvalidRequest("seed must fit in 64 bits", "seed")
+        if (not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP
+                or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)):
+            raise InvalidRequest(f"stop must be up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
+        check_text(self.stop, "stop")
+        if (not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or any(not is_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids)):
+            raise InvalidRequest(f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a boolean", name)
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """The checks that need the model: token ids inside its vocabulary, top_k no wider than it."""
+        if self.top_k > vocab_size:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size ({vocab_size}), got {self.top_k}", "top_k")
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def seed64(self) -> int | None:
+        """The seed as a signed 64-bit integer (unsigned seeds wrap), the sampler's int64 domain."""
+        if self.seed is None:
+            return None
+        return self.seed - 2**64 if self.seed >= 2**63 else self.seed
+
+    def with_seed_offset(self, k: int) -> "SamplingParams":
+        """The params of choice `k` of a request: its own seed (seed + k, wrapped into 64 bits)."""
+        if k == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + k) % 2**64)
+
+
+def _float(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidRequest(f"{name} must be a number, got {v!r}", name)
+    try:
+        f = float(v)
+    except OverflowError:  # an int too large for a float
+        raise InvalidRequest(f"{name} must be a finite number", name) from None
+    if not math.isfinite(f):
+        raise InvalidRequest(f"{name} must be a finite number, got {v!r}", name)
+    return f
+
+
+def check_prompt_ids(ids: Any, vocab_size: int, param: str = "prompt") -> None:
+    """Token-id prompts: a non-empty list of integers in [0, vocab)."""
+    if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
+        raise InvalidRequest("token prompts must be non-empty lists of integers", param)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,5 +199,3 @@ class AdapterRef:
     content_id: str
     name: str = ""
     path: str | None = None
-
-
