@@ -13,14 +13,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from services.common.wire import EngineUnavailable, InvalidRequest
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.sequence import AdapterRef, Priority, SamplingParams
 
 log = logging.getLogger("mplex.engine")
 
 
-class EngineDead(RuntimeError):
-    """The step loop stopped; requests cannot be served."""
+class EngineDead(EngineUnavailable):
+    """The step loop stopped; requests cannot be served here (another engine may)."""
 
 
 @dataclass(slots=True)
@@ -52,8 +53,9 @@ class _Failure:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_death=None):
         self.engine = engine
+        self.on_death = on_death  # called (on the loop thread) if the step loop stops for good
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = engine.wake
         self._queues: dict[str, asyncio.Queue] = {}
@@ -98,8 +100,6 @@ class AsyncEngine:
             raise EngineDead("the engine step loop is not running")
         self.engine.validate(prompt_token_ids, params)  # raise bad input here, before anything is queued
         if request_id in self._queues:
-            from services.engine.sequence import InvalidRequest
-
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id", status=409)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
@@ -143,24 +143,29 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stop:
-                self._drain_commands()
-                if not engine.has_unfinished():
-                    t0 = time.perf_counter()
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    engine.metrics.idle_seconds.inc(time.perf_counter() - t0)
-                    engine.stats.last_step = {}
-                    continue
-                outputs = engine.step()
+                try:
+                    self._drain_commands()
+                    if not engine.has_unfinished():
+                        t0 = time.perf_counter()
+                        self._wake.wait(timeout=1.0)
+                        self._wake.clear()
+                        engine.metrics.idle_seconds.inc(time.perf_counter() - t0)
+                        engine.stats.last_step = {}
+                        continue
+                    outputs = engine.step()
+                except Exception as exc:  # not pinned on one request: fail the running ones, check, go on
+                    outputs = engine.recover(exc)  # raises if the state is inconsistent: then the loop stops
                 if outputs:
                     self._deliver(outputs)
                 if engine.last_plan_empty:  # everything waits on an adapter load: sleep until one lands
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
         except BaseException as exc:  # the loop must never die silently: fail every waiting request
-            log.exception("engine step loop crashed")
+            log.exception("engine step loop stopped: its state could not be trusted")
             self.error = exc
-            self._fail_all(EngineDead(f"engine step loop crashed: {exc!r}"))
+            self._fail_all(EngineDead(f"engine step loop stopped: {exc!r}"))
+            if self.on_death is not None:
+                self.on_death()
         finally:
             if engine.adapters is not None:
                 engine.adapters.shutdown()

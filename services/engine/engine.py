@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import threading
 import time
@@ -21,6 +22,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence
+from services.common.wire import RequestFailed, check_prompt_ids
 
 log = logging.getLogger("mplex.engine")
 
@@ -98,6 +100,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
+        self._failpoints = config.failpoints
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
@@ -130,7 +133,7 @@ class LLMEngine:
                 self.adapters.request(adapter)
             except AdapterFormatError as exc:
                 raise adapter_error(exc) from None
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seed = params.seed64 if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter)
         self._seqs[request_id] = seq
         self._streams[request_id] = _Stream(
@@ -145,8 +148,8 @@ class LLMEngine:
         if n == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
         vocab = self.model.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        check_prompt_ids(prompt_token_ids, vocab)
+        params.check_for_model(vocab)
         if n >= self.max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens.",
@@ -197,11 +200,69 @@ class LLMEngine:
             self._update_gauges()
             return failed
         t0 = time.perf_counter()
-        inputs, sampled = self.runner.execute(plan, self.adapters)
-        elapsed = time.perf_counter() - t0
-        outputs = self._postprocess(plan, sampled, elapsed)
+        try:
+            sampled = self._execute(plan)
+        except Exception as exc:
+            outputs = self._isolate(plan, exc)
+        else:
+            outputs = self._postprocess(plan, sampled, time.perf_counter() - t0)
         self._update_gauges()
         return failed + outputs
+
+    def _execute(self, plan: StepPlan) -> SamplerOutput | None:
+        if self._failpoints:
+            self._hit_failpoints(plan)
+        return self.runner.execute(plan, self.adapters)[1]
+
+    def _hit_failpoints(self, plan: StepPlan) -> None:
+        for s in plan.scheduled:
+            for name, token in self._failpoints:
+                if token in s.seq.prompt_token_ids:
+                    log.warning("failpoint %s hit by request %s", name, s.seq.request_id)
+                    if name == "crash":
+                        os._exit(70)  # as a segfault in a native kernel would: no cleanup, no reply
+                    raise RuntimeError(f"failpoint {name}")
+
+    def _isolate(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+        """The forward failed: find whose input it was by running the step's sequences one at a time.
+        Each re-run writes the same KV slots the failed step would have (nothing was committed), so the
+        others lose nothing and produce their token; only a sequence that fails alone is failed."""
+        if len(plan.scheduled) == 1:
+            return [self._fail(plan.scheduled[0].seq, exc, "step")]
+        log.warning("a step of %d sequences failed (%r); re-running them one by one", len(plan.scheduled), exc)
+        outputs: list[RequestOutput] = []
+        for s in plan.scheduled:
+            one = StepPlan([s])
+            t0 = time.perf_counter()
+            try:
+                sampled = self._execute(one)
+            except Exception as alone:
+                outputs.append(self._fail(s.seq, alone, "step"))
+                continue
+            outputs += self._postprocess(one, sampled, time.perf_counter() - t0)
+        return outputs
+
+    def _fail(self, seq: Sequence, exc: BaseException, where: str) -> RequestOutput:
+        """End one request because of an error inside the engine: its KV blocks and adapter slot are
+        released, its client gets a 500 (and is not retried elsewhere), everyone else goes on."""
+        log.error("request %s failed in the engine (%s): %r", seq.request_id, where, exc, exc_info=exc)
+        self.metrics.request_failures.labels(model=self.config.model_name, where=where).inc()
+        if seq.request_id in self._seqs:
+            self._finish(seq, "error")
+        return RequestOutput(seq.request_id, [], "", True, "error", seq.num_prompt_tokens, seq.num_cached_tokens or 0,
+                             max(seq.num_output_tokens, 0), seq.compute_seconds,
+                             error=RequestFailed(f"the engine failed while serving this request ({type(exc).__name__})"))
+
+    def recover(self, exc: Exception) -> list[RequestOutput]:
+        """An error outside any one request's handling (scheduling, bookkeeping): fail the running
+        requests -- the step's, as far as can be known -- check that what is left is consistent, and go
+        on. Waiting requests keep their place. Raises if the state is not consistent: the caller must then
+        stop this engine (its supervisor restarts it)."""
+        log.error("engine step failed outside any one request: %r; failing the running requests", exc, exc_info=exc)
+        outputs = [self._fail(seq, exc, "unattributed") for seq in list(self.scheduler.running)]
+        self.check_integrity()
+        self._update_gauges()
+        return outputs
 
     def _prefetch_adapters(self) -> None:
         """Tell the adapter manager which adapters the next admissions need (the first distinct ones in
@@ -248,20 +309,24 @@ class LLMEngine:
         row = 0
         for s in plan.scheduled:
             seq = s.seq
-            seq.compute_seconds += elapsed * s.num_new_tokens / total
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.kv.commit(seq)
-            if not s.samples:
-                continue
-            assert sampled is not None
-            token = sampled.token_ids[row]
-            lp = None
-            if seq.params.logprobs is not None and sampled.logprobs is not None:
-                k = seq.params.logprobs
-                top = list(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k])) if k else []
-                lp = [TokenLogprob(token, sampled.logprobs[row], top)]
-            row += 1
-            outputs.append(self._append_token(seq, token, lp, now))
+            r = row
+            row += s.samples
+            try:  # one request's output handling (detokenize, stops, bookkeeping) fails only that request
+                seq.compute_seconds += elapsed * s.num_new_tokens / total
+                seq.num_computed_tokens = s.start + s.num_new_tokens
+                self.kv.commit(seq)
+                if not s.samples:
+                    continue
+                assert sampled is not None
+                token = sampled.token_ids[r]
+                lp = None
+                if seq.params.logprobs is not None and sampled.logprobs is not None:
+                    k = seq.params.logprobs
+                    top = list(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k])) if k else []
+                    lp = [TokenLogprob(token, sampled.logprobs[r], top)]
+                outputs.append(self._append_token(seq, token, lp, now))
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc, "postprocess"))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:

@@ -52,6 +52,13 @@ class EngineMetrics:
         self.finished = Counter(
             "mplex_engine_requests_total", "Finished requests", ["model", "finish_reason"], registry=r
         )
+        self.request_failures = Counter(
+            "mplex_engine_request_failures_total",
+            "Requests failed by an error inside the engine, by where it was caught: step (the forward, "
+            "pinned on a request by re-running the step's sequences one by one), postprocess (one "
+            "request's output handling) or unattributed (the step's requests were failed and state checked)",
+            ["model", "where"], registry=r,
+        )
         self.model_name = model_name
 
     def count_finished(self, reason: str) -> None:
