@@ -1,7 +1,8 @@
 """Starts real platform processes for end-to-end tests: engines, the gateway, Celery workers.
 
 Each process runs `python -m services.cli ...` in its own session with the test services' MPLEX_*
-environment, logs to a file, and is awaited on its readiness endpoint.
+environment, logs to a file, and is awaited on its readiness endpoint. Engines and the gateway share one
+MPLEX_HOME (or an explicit MPLEX_ENGINE_TOKENS), hence one engine credential; `engine_headers` sends it.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class Stack:
             engine_id,
             ["engine", "serve", "--model", str(model_dir), "--served-model-name", model_name, "--port", str(port),
              "--engine-id", engine_id, "--kv-memory-mb", str(kv_mb), "--max-loras", str(max_loras), *(extra or [])],
-            ready=f"http://127.0.0.1:{port}/ready",
+            ready=f"http://127.0.0.1:{port}/health",  # the engine's one open endpoint (the rest need the credential)
         )
         self.wait_registered(engine_id)
         return proc
@@ -89,6 +90,14 @@ class Stack:
         port = free_port()
         return self._spawn(name, ["worker", "--queues", queues, "--metrics-port", str(port)], env=env,
                            ready=f"http://127.0.0.1:{port}/ready")
+
+    def engine_headers(self) -> dict[str, str]:
+        """The platform credential this stack's engines require (theirs: same env, same home)."""
+        from services.common.internal_auth import client_headers
+        from services.common.settings import Settings
+
+        env = {**os.environ, **self.env}  # what the children see
+        return client_headers(Settings(home=Path(env["MPLEX_HOME"]), engine_tokens=env.get("MPLEX_ENGINE_TOKENS")))
 
     def wait_registered(self, engine_id: str, timeout: float = 30) -> None:
         r = redis.Redis.from_url(self.env["MPLEX_REDIS_URL"])

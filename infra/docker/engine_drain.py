@@ -6,7 +6,8 @@ Kubernetes runs this before it sends SIGTERM, and the pod's terminationGracePeri
    answers 404/405, and draining then relies on the registry entry expiring.
 2. Poll /metrics until mplex_engine_requests_running + mplex_engine_requests_waiting has read 0 on two
    consecutive polls (a request may be between the router's pick and its arrival), or until the deadline.
-Standard library only: it runs inside the engine image with nothing else installed.
+Both endpoints require the engine credential (services.common.internal_auth); the hook loads it with the
+engine's own settings code, which the engine image has installed. Everything else is standard library.
 """
 from __future__ import annotations
 
@@ -44,8 +45,20 @@ def in_flight(metrics_text: str) -> int | None:
     return int(total) if seen else None
 
 
-def request_drain(base_url: str, timeout: float = 5.0) -> bool:
-    request = urllib.request.Request(f"{base_url}/drain", data=b"", method="POST")
+def engine_headers() -> dict[str, str]:
+    """The engine credential, loaded as the engine loads it (same image, same environment)."""
+    try:
+        from services.common.internal_auth import client_headers
+        from services.common.settings import get_settings
+
+        return client_headers(get_settings())
+    except Exception as exc:  # never fail the hook: without it /drain and /metrics answer 401, and SIGTERM follows
+        print(f"engine drain: no engine credential ({exc!r})", file=sys.stderr)
+        return {}
+
+
+def request_drain(base_url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> bool:
+    request = urllib.request.Request(f"{base_url}/drain", data=b"", method="POST", headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - local engine
             return 200 <= response.status < 300
@@ -55,9 +68,10 @@ def request_drain(base_url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def read_in_flight(base_url: str, timeout: float = 5.0) -> int | None:
+def read_in_flight(base_url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> int | None:
+    request = urllib.request.Request(f"{base_url}/metrics", headers=headers or {})
     try:
-        with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as response:  # noqa: S310
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
             return in_flight(response.read().decode("utf-8", "replace"))
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -70,12 +84,13 @@ def drain(
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    headers: dict[str, str] | None = None,
 ) -> DrainResult:
     deadline = clock() + timeout_s
-    acknowledged = request_drain(base_url)
+    acknowledged = request_drain(base_url, headers=headers)
     zero_reads, polls, last = 0, 0, None
     while True:
-        last = read_in_flight(base_url)
+        last = read_in_flight(base_url, headers=headers)
         polls += 1
         zero_reads = zero_reads + 1 if last == 0 else 0
         if zero_reads >= 2:
@@ -91,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=570.0, help="seconds to wait for in-flight work")
     parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args(argv)
-    result = drain(f"http://127.0.0.1:{args.port}", args.timeout, args.poll_interval)
+    result = drain(f"http://127.0.0.1:{args.port}", args.timeout, args.poll_interval, headers=engine_headers())
     print(
         f"engine drain: acknowledged={result.drain_acknowledged} idle={result.idle} "
         f"in_flight={result.last_in_flight} polls={result.polls}",

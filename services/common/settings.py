@@ -1,7 +1,7 @@
 """Platform settings: one validated object read from `MPLEX_*` environment variables, via `get_settings()`.
 
 Unset database/Redis URLs mean "start the embedded servers" (services.common.embedded) — allowed in
-dev and test only; production must name its services and carry a strong secret key.
+dev and test only; production must name its services and carry a strong secret key and engine tokens.
 """
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.internal_auth import parse_tokens
+
 Env = Literal["dev", "test", "prod"]
 
 SECRET_KEY_FILE = "secret_key"
+ENGINE_TOKEN_FILE = "engine_token"
 MIN_SECRET_KEY_LEN = 32
 # Values people paste from tutorials; refusing them is cheaper than a leaked session-signing key.
 _KNOWN_WEAK_SECRETS = {"changeme", "changethis", "secret", "password", "mplex", "multiplex", "dev", "test", "example"}
@@ -42,10 +45,16 @@ class Settings(BaseSettings):
     storage_url: str | None = None  # adapter object store (fsspec URL); default file://<home>/objects
 
     secret_key: SecretStr | None = None  # signs sessions, derives per-tenant cache salts
+    # The platform credential of engine endpoints (services.common.internal_auth): comma-separated accepted
+    # tokens, the first is the one clients send. Unset in dev/test: one per home, in <home>/engine_token.
+    engine_tokens: SecretStr | None = None
 
     # Gateway behaviour.
     redis_fail_open: bool = False  # Redis down: False -> 503 (quotas unenforceable); True -> serve unmetered by quota
     key_cache_ttl_s: float = Field(10.0, gt=0, le=300)  # upper bound on how long a revoked key keeps working
+    # Request size limits of the gateway and engines (services.common.http_limits): 413 / 431 past them.
+    max_request_bytes: int = Field(4 * 2**20, ge=64 * 2**10)
+    max_header_bytes: int = Field(32 * 2**10, ge=8 * 2**10)
     session_ttl_s: int = Field(12 * 3600, gt=0)
     cookie_secure: bool | None = None  # None: True in prod, False otherwise (local http)
 
@@ -76,7 +85,11 @@ class Settings(BaseSettings):
         if self.storage_url is None:
             object.__setattr__(self, "storage_url", f"file://{self.home / 'objects'}")
         if self.secret_key is None:
-            object.__setattr__(self, "secret_key", SecretStr(_local_secret_key(self.home)))
+            object.__setattr__(self, "secret_key", SecretStr(_local_secret(self.home, SECRET_KEY_FILE)))
+        if self.engine_tokens is None:
+            object.__setattr__(self, "engine_tokens", SecretStr(_local_secret(self.home, ENGINE_TOKEN_FILE)))
+        elif not parse_tokens(self.engine_tokens.get_secret_value()):
+            raise UnsafeSettings("MPLEX_ENGINE_TOKENS holds no token (a comma-separated list, the one to send first)")
         return self
 
     def _check_prod(self) -> None:
@@ -86,6 +99,12 @@ class Settings(BaseSettings):
             problems.append("MPLEX_SECRET_KEY is required in prod")
         elif weak_secret_reason(key):
             problems.append(f"MPLEX_SECRET_KEY is unsafe: {weak_secret_reason(key)}")
+        tokens = parse_tokens(self.engine_tokens.get_secret_value()) if self.engine_tokens else ()
+        if not tokens:
+            problems.append("MPLEX_ENGINE_TOKENS is required in prod (the engines' platform credential)")
+        for i, token in enumerate(tokens, 1):
+            if weak_secret_reason(token):
+                problems.append(f"MPLEX_ENGINE_TOKENS token {i} is unsafe: {weak_secret_reason(token)}")
         if not self.database_url:
             problems.append("MPLEX_DATABASE_URL is required in prod (no embedded Postgres)")
         if not self.redis_url:
@@ -145,16 +164,16 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
 
 
-def _local_secret_key(home: Path) -> str:
-    """Dev/test: generate a secret once per home and keep it in <home>/secret_key (0600).
+def _local_secret(home: Path, name: str) -> str:
+    """Dev/test: generate a secret once per home and keep it in <home>/<name> (0600).
 
-    Published with link(2) from a private temp file, so concurrent first starts agree on one key.
+    Published with link(2) from a private temp file, so concurrent first starts agree on one value.
     """
-    path = home / SECRET_KEY_FILE
+    path = home / name
     if path.exists():
         return path.read_text().strip()
     home.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=home, prefix=".secret_key.")
+    fd, tmp = tempfile.mkstemp(dir=home, prefix=f".{name}.")
     try:
         os.write(fd, (secrets.token_urlsafe(48) + "\n").encode())
         os.fsync(fd)
@@ -163,7 +182,7 @@ def _local_secret_key(home: Path) -> str:
         try:
             os.link(tmp, path)
         except FileExistsError:
-            pass  # another process won the race; use its key
+            pass  # another process won the race; use its value
     finally:
         os.unlink(tmp)
     return path.read_text().strip()

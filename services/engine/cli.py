@@ -31,15 +31,19 @@ def serve(
     lora_cpu_kernel: str = typer.Option("auto", help="CPU LoRA kernel: auto (native C when it builds, else torch) | native | torch"),
     cpu_attention: str = typer.Option("auto", help="CPU decode attention: auto (native C when it builds, else torch) | native | torch"),
     log_level: str = "info",
+    failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     import uvicorn
 
+    from services.common.internal_auth import engine_tokens
+    from services.common.settings import get_settings
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
     from services.engine.engine import LLMEngine
     from services.engine.server import create_app
 
+    settings = get_settings()
     config = EngineConfig(
         model_dir=model,
         served_model_name=served_model_name,
@@ -51,11 +55,41 @@ def serve(
         lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                         cpu_kernel=lora_cpu_kernel),
         engine_id=engine_id,
+        adapter_stores=(settings.storage_url,),
         cpu_attention=cpu_attention,
+        failpoints=_failpoints(failpoint, settings.env),
     )
     from services.common.logging import configure
 
     log_config = configure("engine", log_level)
     url = advertise_url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    app_ = create_app(AsyncEngine(LLMEngine(config)), registry_url=redis_url, advertise_url=url)
-    uvicorn.run(app_, host=host, port=port, log_level=log_level, log_config=log_config, timeout_graceful_shutdown=30)
+    from services.common.http_limits import http_protocol
+
+    # If the step loop ever stops (its state could not be trusted after an error), the process exits so
+    # that whatever runs it (`make up`'s supervisor, Kubernetes) starts a fresh one.
+    core = AsyncEngine(LLMEngine(config), on_death=_exit_soon)
+    app_ = create_app(core, engine_tokens=engine_tokens(settings), registry_url=redis_url, advertise_url=url,
+                      max_body_bytes=settings.max_request_bytes, max_header_bytes=settings.max_header_bytes)
+    # Keep-alive longer than the gateway's pool keeps idle connections (30 s): the gateway must never send a
+    # request on a connection the engine is closing (it would be lost, and lost requests are not retried).
+    uvicorn.run(app_, host=host, port=port, log_level=log_level, log_config=log_config, timeout_graceful_shutdown=30,
+                timeout_keep_alive=75, http=http_protocol(settings.max_header_bytes))
+
+
+def _failpoints(specs: list[str], env: str) -> tuple[tuple[str, int], ...]:
+    if specs and env == "prod":
+        raise typer.BadParameter("failpoints are for tests; they are refused when MPLEX_ENV=prod", param_hint="--failpoint")
+    out = []
+    for spec in specs:
+        name, _, token = spec.partition("=")
+        if not token.isdigit():
+            raise typer.BadParameter(f"expected NAME=TOKEN_ID, got {spec!r}", param_hint="--failpoint")
+        out.append((name, int(token)))
+    return tuple(out)
+
+
+def _exit_soon() -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down (the registry entry goes first), then exits

@@ -211,6 +211,9 @@ class LoraConfig:
             raise ConfigError("max_lora_rank must be in 1..512")
 
 
+FAILPOINTS = ("step_error", "crash")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_dir: Path
@@ -224,11 +227,21 @@ class EngineConfig:
     seed: int = 0
     engine_id: str = "engine-0"
     adapter_cache_dir: Path | None = None  # where adapters fetched from remote storage are kept
+    # Object stores (settings.storage_url) a request may name adapter files in (server: lora/sources.py);
+    # with none, only the adapter cache. Engines built in-process take AdapterRefs without this check.
+    adapter_stores: tuple[str, ...] = ()
     # CPU only: decode attention by "native" = the C paged kernel (kernels/attention_native.py, fp32),
     # "torch" = gather + SDPA, "auto" = native when it builds here and the dtype and shapes fit, else torch.
     cpu_attention: str = "auto"
+    # Failpoints for fault-isolation and chaos tests (never in prod; the CLI refuses them there): a step
+    # whose sequences hold the token id of `step_error` raises in the forward, of `crash` kills the
+    # process as a native kernel fault would. See FAILPOINTS.
+    failpoints: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        for name, _ in self.failpoints:
+            if name not in FAILPOINTS:
+                raise ConfigError(f"unknown failpoint {name!r}; known: {', '.join(FAILPOINTS)}")
         if self.cpu_attention not in ("auto", "native", "torch"):
             raise ConfigError(f"cpu_attention must be auto, native or torch, got {self.cpu_attention!r}")
         if self.dtype not in _DTYPES:

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
@@ -15,13 +15,26 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
+from services.common.internal_auth import InternalAuthMiddleware
+from services.common.json_route import FastJSONRoute
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
 from services.common.streaming import ClosingStreamingResponse
-from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Delta, Usage, error_body
-from services.common.openai_serving import ChoiceStream, collect, merge, plan_request, stream_sse
+from services.common.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Delta,
+    Usage,
+    error_body,
+    error_of,
+    validation_error_body,
+)
+from services.common.openai_serving import ChoiceStream, collect, merge, plan_request_async, stream_sse
+from services.common.wire import FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
 from services.common.prompting import PromptBuilder
-from services.engine.async_engine import AsyncEngine, EngineDead
+from services.engine.async_engine import AsyncEngine
 from services.engine.engine import RequestOutput
+from services.engine.lora.sources import AdapterSources
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams
 
 log = logging.getLogger("mplex.engine.server")
@@ -36,11 +49,11 @@ class AdapterSpec(BaseModel):
 class GenerateRequest(BaseModel):
     """Internal stream request from the gateway: already tokenized, already authorized."""
 
-    request_id: str = Field(min_length=1, max_length=200)
+    request_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: dict[str, Any] = Field(default_factory=dict)
     priority: str | int | None = None
-    cache_salt: str = Field(default="", max_length=256)
+    cache_salt: str = Field(default="", max_length=256, pattern=r"^[\x21-\x7e]*$")
     adapter: AdapterSpec | None = None
     client_request_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
 
@@ -52,6 +65,7 @@ class LoadAdapterRequest(BaseModel):
 
 
 def _sampling_from(d: dict[str, Any]) -> SamplingParams:
+    """The internal request's sampling object; SamplingParams checks every type and range itself."""
     allowed = set(SamplingParams.__dataclass_fields__)
     unknown = set(d) - allowed
     if unknown:
@@ -59,6 +73,8 @@ def _sampling_from(d: dict[str, Any]) -> SamplingParams:
     kw = dict(d)
     for key in ("stop", "stop_token_ids"):
         if key in kw:
+            if kw[key] is not None and not isinstance(kw[key], list):
+                raise InvalidRequest(f"sampling.{key} must be a list", f"sampling.{key}")
             kw[key] = tuple(kw[key] or ())
     return SamplingParams(**kw)
 
@@ -82,11 +98,16 @@ def _usage(out: RequestOutput) -> Usage:
     return Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
-def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertise_url: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_url: str | None = None,
+               advertise_url: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> FastAPI:
+    """`engine_tokens`: the accepted platform credentials (services.common.internal_auth), required on every
+    endpoint but the probes."""
     core = engine.engine
     builder = PromptBuilder(core.config.model_dir)
     model_name = core.config.model_name
     adapters_by_name: dict[str, AdapterRef] = {}
+    sources = AdapterSources.of(core.config.adapter_stores, core.adapters.cache_dir if core.adapters else None)
 
     stop_heartbeat = asyncio.Event()
 
@@ -105,28 +126,38 @@ def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertis
         engine.shutdown()
 
     app = FastAPI(title="Multiplex engine", lifespan=lifespan)
+    app.router.route_class = FastJSONRoute  # request bodies parsed with orjson
+    app.add_middleware(InternalAuthMiddleware, tokens=engine_tokens)
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     app.state.engine = engine
     app.state.draining = False
 
+    # Every error says whose fault it was (FAULT_HEADER): the gateway retries on another engine only
+    # when this engine could not serve (EngineUnavailable), never a request that failed on its own.
+    request_fault = {FAULT_HEADER: FAULT_REQUEST}
+
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest):
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return JSONResponse(error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status)
+        return JSONResponse(error_of(exc), status_code=exc.status, headers=request_fault)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        return JSONResponse(error_body(f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param), 400)
+        return JSONResponse(validation_error_body(exc.errors()), 400, headers=request_fault)
 
     @app.exception_handler(AdapterFormatError)
     async def _bad_adapter(_: Request, exc: AdapterFormatError):
-        return JSONResponse(error_body(exc.message, "invalid_request_error", exc.field, exc.code), 400)
+        return JSONResponse(error_body(exc.message, "invalid_request_error", exc.field, exc.code), 400, headers=request_fault)
 
-    @app.exception_handler(EngineDead)
-    async def _dead(_: Request, exc: EngineDead):
-        return JSONResponse(error_body(str(exc), "server_error", None, "engine_unavailable"), 503)
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, exc: EngineUnavailable):
+        return JSONResponse(error_of(exc), exc.status, headers={FAULT_HEADER: FAULT_ENGINE})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # Raised while handling this one request (the step loop has its own isolation): its fault.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"the engine failed while handling this request ({type(exc).__name__})",
+                                       "server_error", None, "request_failed"), 500, headers=request_fault)
 
     @app.get("/health")
     async def health():
@@ -149,7 +180,7 @@ def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertis
 
     def refuse_if_draining() -> None:
         if app.state.draining:
-            raise EngineDead("this engine is draining; retry on another engine")
+            raise EngineUnavailable("this engine is draining; retry on another engine", code="engine_draining")
 
     @app.get("/metrics")
     async def metrics():
@@ -167,12 +198,13 @@ def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertis
         """Load (validate + host-cache) an adapter and make it servable by name on this engine."""
         if core.adapters is None:
             raise InvalidRequest("this engine serves no adapters", "name", status=404)
+        path = sources.confine(req.path, "path")  # a resolved local path, or a URL in the object store
         cid = req.content_id
         if cid is None:
-            if "://" in req.path and not req.path.startswith("file://"):
+            if "://" in path:
                 raise InvalidRequest("content_id is required for remote adapter URIs", "content_id")
-            cid = await asyncio.to_thread(adapter_content_id, req.path.removeprefix("file://"))
-        ref = AdapterRef(cid, req.name, req.path)
+            cid = await asyncio.to_thread(adapter_content_id, path)
+        ref = AdapterRef(cid, req.name, path)
         weights = await asyncio.to_thread(core.adapters.load_sync, ref)
         adapters_by_name[req.name] = ref
         return {"name": req.name, "content_id": cid, "rank": weights.max_rank,
@@ -216,7 +248,7 @@ def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertis
         adapter = adapters_by_name.get(req.model)
         if req.model != model_name and adapter is None:
             raise InvalidRequest(f"The model `{req.model}` does not exist.", "model", "model_not_found", status=404)
-        plan = plan_request(kind, req, builder, core.max_model_len)
+        plan = await plan_request_async(kind, req, builder, core.max_model_len)
         for job in plan.jobs:
             core.validate(job.prompt_ids, job.params)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -245,7 +277,8 @@ def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertis
         """NDJSON: one line per step, {"text","token_ids","logprobs","finish_reason"}; the last adds "usage"."""
         refuse_if_draining()
         params = _sampling_from(req.sampling)
-        adapter = AdapterRef(req.adapter.content_id, req.adapter.name, req.adapter.uri) if req.adapter else None
+        uri = sources.confine(req.adapter.uri, "adapter.uri") if req.adapter and req.adapter.uri else None
+        adapter = AdapterRef(req.adapter.content_id, req.adapter.name, uri) if req.adapter else None
         core.validate(req.prompt_token_ids, params)
         outputs = engine.generate(
             req.request_id, req.prompt_token_ids, params,
@@ -278,7 +311,13 @@ def create_app(engine: AsyncEngine, *, registry_url: str | None = None, advertis
                             "engine_id": core.config.engine_id,
                         }
                     yield orjson.dumps(item) + b"\n"
-                    out = await anext(outputs, None)
+                    try:
+                        out = await anext(outputs, None)
+                    except (InvalidRequest, EngineUnavailable) as exc:  # failed mid-stream: say so, then end
+                        log.warning("request failed mid-stream", extra={**ids, "error": exc.message})
+                        fault = FAULT_ENGINE if isinstance(exc, EngineUnavailable) else FAULT_REQUEST
+                        yield orjson.dumps({**error_of(exc), "fault": fault}) + b"\n"
+                        return
             finally:
                 await outputs.aclose()
 

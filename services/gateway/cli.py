@@ -11,12 +11,16 @@ def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level
     """Serve the OpenAI API, the management API and the web app."""
     import uvicorn
 
+    from services.common.http_limits import http_protocol
     from services.common.logging import configure
     from services.common.settings import get_settings
     from services.gateway.app import create_app
 
     log_config = configure("gateway", log_level)
+    settings = get_settings()
+    server = dict(host=host, port=port, log_level=log_level, log_config=log_config,
+                  http=http_protocol(settings.max_header_bytes))
     if workers > 1:
-        uvicorn.run("services.gateway.main:app", host=host, port=port, workers=workers, log_level=log_level, log_config=log_config)
+        uvicorn.run("services.gateway.main:app", workers=workers, **server)
     else:
-        uvicorn.run(create_app(get_settings()), host=host, port=port, log_level=log_level, log_config=log_config)
+        uvicorn.run(create_app(settings), **server)

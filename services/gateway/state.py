@@ -8,6 +8,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.internal_auth import client_headers
 from services.common.settings import Settings
 from services.gateway.auth import KeyAuth
 from services.gateway.metering import Meter
@@ -74,6 +75,7 @@ def build_gateway(settings: Settings, *, database_url: str, redis_url: str, base
         resolver=ModelResolver(session_factory, [BaseModelInfo.from_dir(settings.base_model_name, base_model_dir)]),
         meter=Meter(session_factory, settings.home / "spool", metrics),
         http=aiohttp.ClientSession(
+            headers=client_headers(settings),  # every engine endpoint requires the platform credential
             timeout=aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=600.0),
             connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=30),
         ),

@@ -31,7 +31,7 @@ from openai import OpenAI
 from sqlalchemy import func, select
 
 from services.common.db import make_sessionmaker
-from services.common.lora_format import read_config
+from services.common.lora_format import content_id, read_config
 from services.common.models import Adapter, AdapterVersion, EvalRun, EvalRunStatus, Role
 from tests.adapters.corpus import build_corpus
 from tests.adapters.helpers import wait_final
@@ -118,7 +118,7 @@ def eval_prompts(demo, n: int) -> list[str]:
 
 
 def engine_metric(stack: Stack, name: str) -> float:
-    text = httpx.get(f"{stack.engine_proc.url}/metrics", timeout=10).text
+    text = httpx.get(f"{stack.engine_proc.url}/metrics", headers=stack.engine_headers(), timeout=10).text
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
@@ -180,16 +180,20 @@ def test_the_demo_adapters_go_ready_and_are_served_by_name_exactly_as_the_engine
     assert {a.name: (a.version_id, a.created) for a in again} == {n: (a.version_id, False) for n, a in seeded.items()}
 
     assert set(demo_kit.adapters) <= {m.id for m in client.models.list().data}
-    direct = OpenAI(base_url=f"{stack.engine_proc.url}/v1", api_key="unused", max_retries=0)
+    auth = stack.engine_headers()
+    direct = OpenAI(base_url=f"{stack.engine_proc.url}/v1", api_key=auth["Authorization"].removeprefix("Bearer "),
+                    max_retries=0)
     for name in ("reverse", "uppercase"):
         demo = demo_kit.adapters[name]
         prompts = eval_prompts(demo, 3)
         via_gateway = [chat(client, name, p).choices[0].message.content for p in prompts]
-        # The engine's own answer with the kit's files, loaded straight into it (no gateway, no pipeline).
-        r = httpx.post(f"{stack.engine_proc.url}/internal/v1/adapters", timeout=60,
-                       json={"name": f"direct-{name}", "path": str(demo.path)})
+        # The engine's own answer with the kit's files, loaded straight into it (no gateway, no pipeline) from
+        # where the upload stored them: the object store is the only place an engine reads adapters from.
+        version = _version(factory, seeded[name].version_id)
+        r = httpx.post(f"{stack.engine_proc.url}/internal/v1/adapters", timeout=60, headers=auth,
+                       json={"name": f"direct-{name}", "path": version.storage_uri})
         assert r.status_code == 200, r.text
-        assert r.json()["content_id"] == _version(factory, seeded[name].version_id).content_sha256
+        assert r.json()["content_id"] == version.content_sha256 == content_id(demo.path)
         assert via_gateway == [chat(direct, f"direct-{name}", p).choices[0].message.content for p in prompts]
         assert via_gateway != [chat(client, demo_kit.model_name, p).choices[0].message.content for p in prompts]
 

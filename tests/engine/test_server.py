@@ -1,5 +1,6 @@
 """The engine's HTTP server through the official OpenAI SDK: chat, completions, streaming, errors,
-and client disconnects that free the sequence's KV blocks."""
+and client disconnects that free the sequence's KV blocks; its platform credential on every route but the
+probes (with a rotation token); adapter files only from the object store or the engine's cache."""
 from __future__ import annotations
 
 import os
@@ -7,11 +8,20 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from services.adapters.storage import ObjectStore
+from services.common.internal_auth import ERROR_CODE, OPEN_PATHS, client_headers
+from services.engine.lora.sources import CODE as PATH_NOT_ALLOWED
+
+TOKEN = "engine-test-token-current-0123456789abcdef"
+OLD_TOKEN = "engine-test-token-previous-0123456789abcde"  # still accepted during a rotation
+AUTH = client_headers([TOKEN])
 
 
 def _free_port() -> int:
@@ -21,20 +31,29 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(demo_kit, tmp_path_factory):
+def engine_home(tmp_path_factory):
+    """The server's MPLEX_HOME: its object store is <home>/objects."""
+    return tmp_path_factory.mktemp("engine-home")
+
+
+@pytest.fixture(scope="module")
+def server(demo_kit, engine_home, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("engine") / "engine.log", "wb")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MPLEX_ENV": "test", "MPLEX_HOME": str(engine_home),
+           "MPLEX_ENGINE_TOKENS": f"{TOKEN},{OLD_TOKEN}"}
+    env.pop("MPLEX_STORAGE_URL", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "engine", "serve", "--model", str(demo_kit.base_dir),
          "--served-model-name", demo_kit.model_name, "--port", str(port), "--kv-memory-mb", "64"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"},
+        stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         assert proc.poll() is None, "engine server exited"
         try:
-            if httpx.get(f"{url}/ready").status_code == 200:
+            if httpx.get(f"{url}/health").status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.3)
@@ -45,11 +64,11 @@ def server(demo_kit, tmp_path_factory):
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=TOKEN, max_retries=0)
 
 
 def _metric(url: str, name: str, default: float | None = None, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=AUTH).text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
@@ -134,7 +153,7 @@ def test_unknown_model_is_404(client):
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(server, demo_kit):
     body = {"model": demo_kit.model_name, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
@@ -148,6 +167,102 @@ def test_client_disconnect_on_a_non_streaming_request_aborts(server, demo_kit):
     body = {"model": demo_kit.model_name, "prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
     aborted = _metric(server, "mplex_engine_requests_total", 0.0, finish_reason="abort")  # 0 before any abort
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=0.1)
+        httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=0.1)
     _wait_idle(server)
     assert _metric(server, "mplex_engine_requests_total", finish_reason="abort") == aborted + 1
+
+
+# -- the platform credential -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_routes(tiny_model) -> list[tuple[str, str]]:
+    """(method, path) of every route of the engine app, path parameters filled in: read from `create_app` itself,
+    so a route added later is covered without being listed here."""
+    from starlette.routing import Route
+
+    from services.engine.async_engine import AsyncEngine
+    from services.engine.server import create_app
+    from tests.engine.conftest import make_engine
+
+    core = make_engine(tiny_model)
+    app = create_app(AsyncEngine(core), engine_tokens=[TOKEN])
+    routes = []
+    for route in app.routes:
+        assert isinstance(route, Route), f"{route!r}: check how the middleware covers it"
+        path = route.path.replace("{name}", "some-adapter")
+        assert "{" not in path, path
+        routes += [(method, path) for method in sorted(route.methods or ())]
+    core.adapters.shutdown()
+    return routes
+
+
+def test_every_route_but_the_probes_requires_the_engine_credential(server, engine_routes):
+    paths = {p for _, p in engine_routes}
+    assert {"/internal/v1/generate", "/internal/v1/adapters", "/drain", "/metrics", "/v1/chat/completions",
+            "/openapi.json"} <= paths and OPEN_PATHS <= paths
+    for method, path in engine_routes:
+        for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+            r = httpx.request(method, f"{server}{path}", headers=headers, json={} if method == "POST" else None)
+            if path in OPEN_PATHS:
+                assert r.status_code == 200, (method, path, r.status_code)
+                continue
+            assert r.status_code == 401, (method, path, headers, r.status_code)
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            if method != "HEAD":
+                err = r.json()["error"]
+                assert err["code"] == ERROR_CODE and err["type"] == "authentication_error" and err["message"]
+                assert set(err) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # all an unauthenticated probe learns
+
+
+@pytest.mark.parametrize("value", [
+    f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", f"Basic {TOKEN}", TOKEN, f"Bearer {TOKEN},{OLD_TOKEN}", "Bearer",
+])
+def test_near_miss_credentials_are_refused(server, value):
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": value}).status_code == 401
+
+
+def test_the_current_and_the_rotation_token_both_work(server, demo_kit):
+    for token in (TOKEN, OLD_TOKEN):
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key=token, max_retries=0)
+        assert [m.id for m in client.models.list().data] == [demo_kit.model_name]
+        assert httpx.get(f"{server}/metrics", headers=client_headers([token])).status_code == 200
+    assert httpx.get(f"{server}/v1/models", headers={"authorization": f"bearer {TOKEN}"}).status_code == 200
+
+
+# -- adapter files only from the stores -----------------------------------------------------------------------------
+def _refused(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == PATH_NOT_ALLOWED and err["type"] == "invalid_request_error"
+
+
+def test_adapter_paths_outside_the_stores_are_refused_and_the_engine_keeps_serving(server, engine_home, demo_kit,
+                                                                                   client):
+    store = engine_home / "objects"
+    demo = demo_kit.adapters["uppercase"]
+    stored = ObjectStore(f"file://{store}").put_version(demo.path)
+    link = store / "adapters" / "link-out"
+    link.symlink_to(demo.path, target_is_directory=True)  # inside the store, pointing out of it
+    load = f"{server}/internal/v1/adapters"
+    for path in ("/etc", "file:///tmp/x", str(demo.path), str(link), f"file://{link}",
+                 f"{store}/{os.path.relpath(demo.path, store)}", f"{store}/../../etc", "s3://elsewhere/adapters/x"):
+        with_id = {"name": "evil", "path": path, "content_id": stored.sha256}
+        _refused(httpx.post(load, headers=AUTH, json=with_id), "path")
+        _refused(httpx.post(load, headers=AUTH, json={"name": "evil", "path": path}), "path")
+
+    def generate(uri: str) -> httpx.Response:
+        return httpx.post(f"{server}/internal/v1/generate", headers=AUTH, timeout=60, json={
+            "request_id": uuid.uuid4().hex, "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 2},
+            "adapter": {"content_id": stored.sha256, "name": "upper", "uri": uri}})
+
+    for uri in ("/etc", str(demo.path), f"file://{link}", "file:///tmp/x"):
+        _refused(generate(uri), "adapter.uri")
+    assert generate(stored.uri).status_code == 200  # the same adapter from the store: loaded on demand, served
+
+    r = httpx.post(load, headers=AUTH, timeout=60, json={"name": "upper", "path": stored.uri})
+    assert r.status_code == 200, r.text
+    assert r.json()["content_id"] == stored.sha256
+    prompt = [{"role": "user", "content": "hello world"}]
+    assert client.chat.completions.create(model="upper", messages=prompt, max_tokens=4).choices[0].message.content
+    assert client.chat.completions.create(model=demo_kit.model_name, messages=prompt, max_tokens=4).choices
+    assert "evil" not in [m.id for m in client.models.list().data]

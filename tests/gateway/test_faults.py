@@ -37,19 +37,19 @@ def _ledger(db, tenant_id, expect: int, timeout: float = 30) -> list[UsageEvent]
     raise AssertionError(f"ledger has {len(rows)} rows for the tenant, expected {expect}")
 
 
-def _engine_metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+def _engine_metric(url: str, name: str, headers: dict[str, str]) -> float:
+    for line in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(name)
 
 
 def _wait_engines_idle(stack) -> None:
-    deadline = time.time() + 30
+    deadline, auth = time.time() + 30, stack.engine_headers()
     while time.time() < deadline:
-        if all(_engine_metric(e.url, "mplex_engine_requests_running") == 0
-               and _engine_metric(e.url, "mplex_engine_requests_waiting") == 0
-               and _engine_metric(e.url, "mplex_engine_kv_blocks_used") == 0 for e in stack.engines):
+        if all(_engine_metric(e.url, "mplex_engine_requests_running", auth) == 0
+               and _engine_metric(e.url, "mplex_engine_requests_waiting", auth) == 0
+               and _engine_metric(e.url, "mplex_engine_kv_blocks_used", auth) == 0 for e in stack.engines):
             return
         time.sleep(0.2)
     raise AssertionError("engines kept running sequences or KV blocks")
@@ -212,3 +212,24 @@ def test_engine_dying_before_first_token_is_retried_elsewhere(stack_env, demo_ki
         assert {row.engine_id for row in rows} == {"fo-eng-1"}
     finally:
         s3.close()
+
+
+def test_an_engine_refusing_the_gateways_credential_is_a_503_never_the_engines_401(stack_env, demo_kit, db,
+                                                                                     tmp_path_factory):
+    """Mismatched MPLEX_ENGINE_TOKENS (a botched rotation) is the platform's fault: the tenant never sees the
+    engine's 401, and the engine served nothing."""
+    tenant = make_tenant(db)
+    key = make_api_key(db, tenant=tenant).secret
+    s5 = Stack({**_isolated(stack_env, 5), "MPLEX_ENGINE_TOKENS": "engine-token-of-the-engines-0123456789abc"},
+               tmp_path_factory.mktemp("wrong-token"))
+    try:
+        engine = s5.engine(demo_kit.base_dir, demo_kit.model_name, "wrongtok-eng")
+        s5.gw = s5.gateway(demo_kit.base_dir, demo_kit.model_name, name="wrongtok-gw",
+                           env={"MPLEX_ENGINE_TOKENS": "engine-token-of-the-gateway-0123456789abc"})
+        r = httpx.post(f"{s5.gw.url}/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
+                       json={"model": demo_kit.model_name, "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "no_engine_available"
+        assert _engine_metric(engine.url, "mplex_engine_prompt_tokens_total", s5.engine_headers()) == 0
+    finally:
+        s5.close()

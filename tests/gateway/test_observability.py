@@ -51,8 +51,13 @@ def test_logs_never_contain_api_keys(stack, db):
 
 
 def test_health_and_ready(stack):
+    auth = stack.engine_headers()
     for proc in [stack.gw, *stack.engines]:
         assert httpx.get(f"{proc.url}/health").status_code == 200
-        assert httpx.get(f"{proc.url}/ready").status_code == 200
+        # An engine's /ready is behind the platform credential like everything but /health.
+        headers = auth if proc in stack.engines else {}
+        assert httpx.get(f"{proc.url}/ready", headers=headers).status_code == 200
+    for e in stack.engines:
+        assert httpx.get(f"{e.url}/ready").status_code == 401
     ready = httpx.get(f"{stack.gw.url}/ready").json()
     assert ready["checks"] == {"redis": "ok", "postgres": "ok"}

@@ -105,6 +105,21 @@ def test_drain_gives_up_at_the_deadline_and_tolerates_an_engine_without_drain():
     assert result.last_in_flight == 4 and result.polls == 11
 
 
+def test_drain_sends_the_engine_credential_on_both_calls():
+    registry, running, waiting = engine_registry()
+    running.labels(model="base").set(0)
+    waiting.labels(model="base").set(0)
+    seen: list[str | None] = []
+
+    def app(environ, start_response):
+        seen.append(environ.get("HTTP_AUTHORIZATION"))
+        return engine_app(registry, "202 Accepted", [])(environ, start_response)
+
+    with serve(app) as url:
+        result = drain_mod.drain(url, timeout_s=5, poll_interval_s=0, headers={"Authorization": "Bearer engine-token"})
+    assert result.idle and seen and set(seen) == {"Bearer engine-token"}
+
+
 def test_drain_main_never_fails_the_hook_when_the_engine_is_gone():
     with serve(lambda env, start: (start("200 OK", []), [b""])[1]) as url:
         port = int(url.rsplit(":", 1)[1])

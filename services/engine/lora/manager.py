@@ -25,6 +25,7 @@ from services.engine.config import ConfigError, LoraConfig, ModelConfig
 from services.engine.kernels import sgmv_native
 from services.engine.lora.cpu_slots import CpuSlotStacks
 from services.engine.lora.native_slots import NativeSlotTable
+from services.engine.lora.sources import is_local
 from services.engine.lora.weights import LoraWeights, module_dims, read_lora, to_weights
 from services.engine.sequence import AdapterRef, Sequence
 
@@ -170,7 +171,7 @@ class AdapterManager:
         if not self._make_room(evict):
             return
         self._loading.add(cid)
-        if _is_local(ref.path):
+        if is_local(ref.path):
             self._pool.submit(self._load, ref)
         else:
             self._fetchers.submit(self._fetch_then_load, ref)
@@ -257,7 +258,7 @@ class AdapterManager:
     def _fetch(self, ref: AdapterRef) -> Path:
         """A local directory with the adapter's two files; remote URIs are copied into the cache once."""
         uri = ref.path or ""
-        if _is_local(uri):
+        if is_local(uri):
             return Path(uri.removeprefix("file://"))
         import fsspec
 
@@ -418,8 +419,3 @@ class AdapterManager:
     def shutdown(self) -> None:
         self._fetchers.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _is_local(uri: str | None) -> bool:
-    uri = uri or ""
-    return "://" not in uri or uri.startswith("file://")

@@ -107,6 +107,7 @@ module "app" {
   redis             = { host = module.redis.primary_endpoint, port = module.redis.port }
   redis_auth_token  = module.secrets.redis_auth_token
   secret_key        = module.secrets.secret_key
+  engine_tokens     = coalesce(var.engine_tokens, module.secrets.engine_token)
   storage_bucket    = module.adapters_bucket.bucket_name
 
   engine_role_arn             = module.iam.engine_role_arn

@@ -137,3 +137,10 @@ variable "tags" {
   type        = map(string)
   default     = { "mplex/owner" = "platform" }
 }
+
+variable "engine_tokens" {
+  description = "MPLEX_ENGINE_TOKENS during a rotation: comma-separated, the one to send first (docs/operations.md). Null: the generated token."
+  type        = string
+  default     = null
+  sensitive   = true
+}

@@ -195,7 +195,7 @@ resource "kubernetes_stateful_set_v1" "engine" {
 
           readiness_probe {
             http_get {
-              path = "/ready" # model loaded and the step loop running
+              path = "/health" # model loaded, step loop running; the only engine path open without the credential
               port = "http"
             }
             period_seconds    = 5

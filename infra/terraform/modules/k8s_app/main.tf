@@ -138,6 +138,8 @@ resource "kubernetes_secret_v1" "env" {
     MPLEX_REDIS_URL  = format("rediss://:%s@%s:%d/0?ssl_cert_reqs=required", urlencode(var.redis_auth_token), var.redis.host, var.redis.port)
     MPLEX_BROKER_URL = format("rediss://:%s@%s:%d/1?ssl_cert_reqs=required", urlencode(var.redis_auth_token), var.redis.host, var.redis.port)
     MPLEX_SECRET_KEY = var.secret_key
+    # Engines accept these tokens; the gateway (and the engines' preStop hook) send the first.
+    MPLEX_ENGINE_TOKENS = var.engine_tokens
   }
 }
 

@@ -27,6 +27,19 @@ resource "kubernetes_secret_v1" "grafana_admin" {
   }
 }
 
+# The token Prometheus sends when it scrapes engines (their /metrics requires the platform credential). A
+# ServiceMonitor reads Secrets from its own namespace only, hence this copy of the first (sending) token.
+resource "kubernetes_secret_v1" "engine_scrape" {
+  count = var.install_monitoring ? 1 : 0
+  metadata {
+    name      = "mplex-engine-scrape"
+    namespace = kubernetes_namespace_v1.monitoring[0].metadata[0].name
+  }
+  data = {
+    token = trimspace(split(",", var.engine_tokens)[0])
+  }
+}
+
 resource "kubernetes_config_map_v1" "dashboards" {
   for_each = var.install_monitoring ? var.dashboards : {}
   metadata {
@@ -104,7 +117,14 @@ resource "helm_release" "kube_prometheus_stack" {
         namespaceSelector = { matchNames = [var.namespace] }
         endpoints = [
           { port = "metrics", path = "/metrics", interval = "15s" },
-          { port = "http", path = "/metrics", interval = "15s" },
+          {
+            # Engines (the only scraped Service with an "http" port): bearer token from the Secret above.
+            port = "http", path = "/metrics", interval = "15s",
+            authorization = {
+              type        = "Bearer"
+              credentials = { name = kubernetes_secret_v1.engine_scrape[0].metadata[0].name, key = "token" }
+            }
+          },
         ]
       }]
     }

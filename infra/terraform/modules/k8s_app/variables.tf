@@ -98,6 +98,17 @@ variable "secret_key" {
   sensitive   = true
 }
 
+variable "engine_tokens" {
+  description = "MPLEX_ENGINE_TOKENS: the engine tokens accepted, comma-separated, the one clients send first (rotation: docs/operations.md)."
+  type        = string
+  sensitive   = true
+
+  validation {
+    condition     = alltrue([for t in split(",", var.engine_tokens) : length(trimspace(t)) >= 32])
+    error_message = "engine_tokens must be a comma-separated list of tokens of at least 32 characters each."
+  }
+}
+
 variable "storage_bucket" {
   description = "Adapter bucket name; MPLEX_STORAGE_URL becomes s3://<bucket>/<storage_prefix>."
   type        = string

@@ -1,5 +1,6 @@
-# The three secrets Multiplex runs on, generated here and kept in Secrets Manager under one KMS key:
-# the PostgreSQL password, the Redis AUTH token and MPLEX_SECRET_KEY (signs sessions, salts prefix-cache keys).
+# The four secrets Multiplex runs on, generated here and kept in Secrets Manager under one KMS key:
+# the PostgreSQL password, the Redis AUTH token, MPLEX_SECRET_KEY (signs sessions, salts prefix-cache keys) and
+# the engine token (MPLEX_ENGINE_TOKENS: the platform credential every engine endpoint but the probes requires).
 # RDS and ElastiCache are created with the same values; pods receive them through a Kubernetes Secret.
 
 data "aws_caller_identity" "current" {}
@@ -74,17 +75,24 @@ resource "random_password" "secret_key" {
   special = false
 }
 
+resource "random_password" "engine_token" {
+  length  = 64
+  special = false # one entry of a comma-separated list: no separators inside
+}
+
 # Descriptions and values apart: for_each keys must not be derived from sensitive values.
 locals {
   secret_descriptions = {
     "database-password" = "PostgreSQL master password of ${var.name}"
     "redis-auth-token"  = "ElastiCache AUTH token of ${var.name}"
     "secret-key"        = "MPLEX_SECRET_KEY of ${var.name}"
+    "engine-token"      = "Engine platform credential (MPLEX_ENGINE_TOKENS) of ${var.name}"
   }
   secret_values = {
     "database-password" = random_password.database.result
     "redis-auth-token"  = random_password.redis.result
     "secret-key"        = random_password.secret_key.result
+    "engine-token"      = random_password.engine_token.result
   }
 }
 

@@ -16,8 +16,14 @@ output "secret_key" {
   sensitive   = true
 }
 
+output "engine_token" {
+  description = "The engines' platform credential (the k8s_app module's engine_tokens)."
+  value       = random_password.engine_token.result
+  sensitive   = true
+}
+
 output "secret_arns" {
-  description = "ARNs of the Secrets Manager secrets by name (database-password, redis-auth-token, secret-key)."
+  description = "ARNs of the Secrets Manager secrets by name (database-password, redis-auth-token, secret-key, engine-token)."
   value       = { for k, s in aws_secretsmanager_secret.this : k => s.arn }
 }
 
