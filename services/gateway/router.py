@@ -3,7 +3,8 @@
 Consistent hashing with bounded loads (CHWBL): a request's affinity key (its adapter's content id,
 or its tenant-salted prompt prefix) maps to a point on a ring of engines; walking the ring, the
 first engine whose load stays under `bound x average` wins. Engines already holding the adapter are
-preferred. The rest of the walk is the retry order.
+preferred. The rest of the walk is the retry order. A per-engine circuit breaker keeps an engine
+that keeps failing (unreachable, dead, broken streams) out of the order until a probe succeeds.
 """
 from __future__ import annotations
 
@@ -51,11 +52,34 @@ def _h(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
+@dataclass(slots=True)
+class Breaker:
+    """One engine's circuit breaker, as this gateway sees it. `threshold` failures in a row open it for
+    a cooldown that doubles (up to a cap) while it keeps failing; once the cooldown is over one request
+    probes the engine (half-open): a success closes the breaker, a failure opens it again. Only the
+    engine's own faults count: a request refused or failed on its own account says nothing about it."""
+
+    failures: int = 0
+    opened_at: float | None = None
+    cooldown_s: float = 0.0
+    probing: bool = False
+
+    def state(self, now: float) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "open" if now < self.opened_at + self.cooldown_s else "half_open"
+
+
 @dataclass
 class Router:
     bound: float = 1.25
     inflight: dict[str, int] = field(default_factory=dict)  # this gateway's own open streams per engine
     _ring: tuple[tuple[str, ...], list[tuple[int, str]]] | None = None  # (engine ids, sorted ring), rebuilt on change
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 1.0
+    breaker_max_cooldown_s: float = 30.0
+    breakers: dict[str, Breaker] = field(default_factory=dict)
+    clock: object = time.monotonic
 
     def load(self, e: EngineInfo) -> int:
         return e.running + e.waiting + self.inflight.get(e.id, 0)
@@ -84,6 +108,44 @@ class Router:
         first = resident or under
         rest = sorted((e for e in walk if e not in first), key=self.load)
         return first + rest
+
+    # -- circuit breaker -------------------------------------------------------------------------
+    def admit(self, engine_id: str) -> bool:
+        """May a request be sent to this engine now? Closed: yes. Open: no. Half-open: one probe at a time."""
+        b = self.breakers.get(engine_id)
+        if b is None:
+            return True
+        state = b.state(self.clock())
+        if state == "closed":
+            return True
+        if state == "open" or b.probing:
+            return False
+        b.probing = True
+        return True
+
+    def succeeded(self, engine_id: str) -> None:
+        self.breakers.pop(engine_id, None)
+
+    def end_probe(self, engine_id: str) -> None:
+        """A probe ended with no verdict (its client hung up): let the next request probe."""
+        b = self.breakers.get(engine_id)
+        if b is not None:
+            b.probing = False
+
+    def failed(self, engine_id: str) -> bool:
+        """Count one engine fault; True if this opened (or re-opened) its breaker."""
+        b = self.breakers.setdefault(engine_id, Breaker())
+        b.failures += 1
+        if b.probing or (b.opened_at is None and b.failures >= self.breaker_threshold):
+            b.cooldown_s = min(self.breaker_max_cooldown_s, max(self.breaker_cooldown_s, 2 * b.cooldown_s))
+            b.opened_at = self.clock()
+            b.probing = False
+            return True
+        return False
+
+    def breaker_states(self) -> dict[str, str]:
+        now = self.clock()
+        return {eid: b.state(now) for eid, b in self.breakers.items()}
 
     def opened(self, engine_id: str) -> None:
         self.inflight[engine_id] = self.inflight.get(engine_id, 0) + 1

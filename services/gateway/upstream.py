@@ -1,5 +1,11 @@
-"""The gateway's side of the internal engine stream: open it on the best engine, retrying on another
-engine while nothing has been streamed yet; parse NDJSON lines into deltas; close = abort upstream.
+"""The gateway's side of the internal engine stream: open it on the best engine, parse NDJSON lines into
+deltas; close = abort upstream.
+
+Retries follow whose fault a failure was. Before anything was sent (connection refused) or when the
+engine says it cannot serve (`x-mplex-fault: engine`: dead, draining, overloaded), the next engine is
+tried. A request the engine refused or failed on its own account is passed to the client as it is. A
+request sent and then lost (the engine died or hung up while holding it) is not sent anywhere else: it
+may be what killed the engine, and another engine must not be offered the same poison.
 """
 from __future__ import annotations
 
@@ -13,17 +19,30 @@ import aiohttp
 import orjson
 
 from services.common.openai_protocol import Delta, Usage
+from services.common.wire import FAULT_ENGINE, FAULT_HEADER, EngineUnavailable, InvalidRequest
 from services.gateway.router import EngineInfo, Router
 
 log = logging.getLogger("mplex.gateway.upstream")
 
 
-class NoEngineAvailable(Exception):
-    """No engine serving this model accepted the request."""
+class NoEngineAvailable(EngineUnavailable):
+    """No engine serving this model could take the request."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="no_engine_available")
+
+
+class EngineLost(EngineUnavailable):
+    """The engine took the request, then failed or vanished (before or during its stream). Not retried."""
+
+    status = 502
+
+    def __init__(self, message: str):
+        super().__init__(message, code="engine_failed")
 
 
 class UpstreamRefused(Exception):
-    """The engine refused the request itself (4xx): passed to the client, never retried."""
+    """The engine refused or failed the request on its own account: passed to the client, never retried."""
 
     def __init__(self, status: int, body: dict[str, Any]):
         err = body.get("error", {}) if isinstance(body, dict) else {}
@@ -35,20 +54,29 @@ class UpstreamRefused(Exception):
 class StreamResult:
     """What one choice's stream ended with (filled as the stream is consumed)."""
 
-    engine_id: str = ""
+    engine_id: str = ""  # the engine that streamed it (set once it produced a first token)
+    tried_engine_id: str = ""  # the engine it was lost in before a first token (for the ledger)
     usage: Usage = field(default_factory=Usage)
     compute_seconds: float = 0.0
     finish_reason: str | None = None
-    delivered_tokens: int = 0
+    delivered_tokens: int = 0  # received from the engine
+    sent_tokens: int = 0  # handed to the client's connection (what a hung-up stream is billed for)
     first_token_at: float | None = None
     attempts: int = 0
 
 
-class _EngineFailed(Exception):
-    pass
+class _TryNext(Exception):
+    """This engine could not take the request and nothing of it ran there: try the next one."""
+
+    def __init__(self, message: str, counts_against_engine: bool):
+        super().__init__(message)
+        self.counts_against_engine = counts_against_engine
 
 
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+# Before the response started: a refused connection never reached the engine; anything else (reset,
+# disconnect, timeout) happened with the request in the engine's hands.
+_NOT_SENT = (aiohttp.ClientConnectorError,)
+_LOST = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
 async def open_choice(
@@ -62,35 +90,42 @@ async def open_choice(
 ) -> AsyncIterator[tuple[Delta, Usage | None]]:
     """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream."""
     request_id = payload["request_id"]
-    last_error: Exception | None = None
+    last_error = "no engine serves this model"
     body = orjson.dumps(payload)
     headers = {"content-type": "application/json", "x-request-id": request_id}
     for engine in engines:
+        if not router.admit(engine.id):
+            last_error = f"engine {engine.id} is failing (circuit open)"
+            continue
         result.attempts += 1
-        resp: aiohttp.ClientResponse | None = None
         router.opened(engine.id)
+        resp: aiohttp.ClientResponse | None = None
         try:
-            resp = await client.post(f"{engine.url}/internal/v1/generate", data=body, headers=headers)
-            if 400 <= resp.status < 500:
-                raise UpstreamRefused(resp.status, orjson.loads(await resp.read()))
-            if resp.status >= 500:
-                raise _EngineFailed(f"engine {engine.id} answered {resp.status}")
-            first = await resp.content.readline()
-            if not first:
-                raise _EngineFailed(f"engine {engine.id} closed the stream before the first token")
-        except (*_RETRYABLE, _EngineFailed) as exc:  # nothing streamed yet: the next engine may serve it
-            last_error = exc
-            log.warning("engine %s failed before the first token (%r); trying the next", engine.id, exc)
-            if resp is not None:
-                resp.close()
+            resp, first = await _open(client, engine, body, headers)
+        except _TryNext as exc:
+            last_error = str(exc)
+            log.warning("engine %s could not take %s (%s); trying the next", engine.id, request_id, exc)
+            if exc.counts_against_engine:
+                router.failed(engine.id)
+            else:
+                router.succeeded(engine.id)  # it answered (draining, overloaded): alive
             router.closed(engine.id)
             continue
-        except BaseException:
-            if resp is not None:
-                resp.close()
+        except EngineLost:
+            result.tried_engine_id = engine.id
+            router.failed(engine.id)
             router.closed(engine.id)
             raise
-        # Committed to this engine: from here on a failure ends the stream (tokens were delivered).
+        except UpstreamRefused:
+            router.succeeded(engine.id)  # a well-formed refusal: the engine is up
+            router.closed(engine.id)
+            raise
+        except BaseException:  # cancelled (the client hung up): says nothing about the engine
+            router.end_probe(engine.id)
+            router.closed(engine.id)
+            raise
+        # Committed to this engine: from here on a failure ends the stream (it is never retried).
+        router.succeeded(engine.id)  # it took the request and produced a token: up
         result.engine_id = engine.id
         finished = False
         try:
@@ -99,6 +134,8 @@ async def open_choice(
                 line = line.strip()
                 if line:
                     item = orjson.loads(line)
+                    if "error" in item:
+                        raise _stream_error(item)
                     result.delivered_tokens += len(item["token_ids"])
                     if result.first_token_at is None and item["token_ids"]:
                         result.first_token_at = clock()
@@ -111,7 +148,14 @@ async def open_choice(
                         result.finish_reason = item["finish_reason"]
                         finished = True
                     yield Delta(index, item["text"], item["token_ids"], item.get("logprobs"), item["finish_reason"]), usage
-                line = await resp.content.readline()
+                try:
+                    line = await resp.content.readline()
+                except _LOST as exc:
+                    router.failed(engine.id)
+                    raise EngineLost(f"engine {engine.id} failed mid-stream ({exc.__class__.__name__})") from None
+            if not finished:
+                router.failed(engine.id)
+                raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
         finally:
             if finished:
                 resp.release()  # whole body read: the connection goes back to the pool
@@ -120,3 +164,47 @@ async def open_choice(
             router.closed(engine.id)
         return
     raise NoEngineAvailable(f"no engine could serve the request ({last_error})")
+
+
+async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, headers: dict[str, str]):
+    """POST the request and read the first line (the engine answers only once it has a first token)."""
+    try:
+        resp = await client.post(f"{engine.url}/internal/v1/generate", data=body, headers=headers)
+    except _NOT_SENT as exc:
+        raise _TryNext(f"engine {engine.id} unreachable ({exc.__class__.__name__})", True) from None
+    except _LOST as exc:
+        raise EngineLost(f"engine {engine.id} failed while taking the request ({exc.__class__.__name__})") from None
+    try:
+        if resp.status >= 400:
+            raw = await resp.read()
+            try:
+                err = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                err = {"error": {"message": raw[:200].decode(errors="replace")}}
+            fault = resp.headers.get(FAULT_HEADER)
+            if fault == FAULT_ENGINE or (fault is None and resp.status == 503):
+                code = (err.get("error") or {}).get("code") if isinstance(err, dict) else None
+                # A dead engine counts against its breaker; draining or overloaded ones are healthy.
+                raise _TryNext(f"engine {engine.id} answered {resp.status} ({code})", code in (None, "engine_unavailable"))
+            raise UpstreamRefused(resp.status, err if isinstance(err, dict) else {})
+        first = await resp.content.readline()
+    except _LOST as exc:
+        resp.close()
+        raise EngineLost(f"engine {engine.id} failed before the first token ({exc.__class__.__name__})") from None
+    except BaseException:
+        resp.close()
+        raise
+    if not first:
+        resp.close()
+        raise EngineLost(f"engine {engine.id} closed the stream before the first token")
+    return resp, first
+
+
+def _stream_error(item: dict[str, Any]) -> Exception:
+    """An error line from the engine's stream as the error type both services share."""
+    err = item.get("error") or {}
+    message = err.get("message") or "the engine failed this request"
+    if item.get("fault") == FAULT_ENGINE:
+        return EngineUnavailable(message, code=err.get("code") or "engine_unavailable")
+    status = 500 if err.get("type") == "server_error" else 400
+    return InvalidRequest(message, err.get("param"), err.get("code"), status)

@@ -17,25 +17,28 @@ from starlette.background import BackgroundTask
 
 from services.common.errors import (
     ApiError,
+    BadGatewayError,
     InsufficientQuotaError,
+    InternalServerError,
     PermissionDeniedError,
     RateLimitError,
     ServiceUnavailableError,
 )
 from services.common.ids import new_request_id
+from services.common.json_route import FastJSONRoute
 from services.common.keys import SCOPE_INFERENCE
 from services.common.logging import bind
 from services.common.streaming import ClosingStreamingResponse
-from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Delta, Usage
-from services.common.openai_serving import OpenAIPlan, collect, merge, plan_request, stream_sse
-from services.common.wire import InvalidRequest
+from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Usage
+from services.common.openai_serving import OpenAIPlan, collect, merge, plan_request_async, stream_sse
+from services.common.wire import EngineUnavailable, InvalidRequest
 from services.gateway.metering import UsageRecord
 from services.gateway.quotas import QuotaExceeded, QuotaUnavailable, Reservation
 from services.gateway.resolve import ResolvedModel
-from services.gateway.upstream import NoEngineAvailable, StreamResult, UpstreamRefused, open_choice
+from services.gateway.upstream import EngineLost, NoEngineAvailable, StreamResult, UpstreamRefused, open_choice
 
 log = logging.getLogger("mplex.gateway")
-router = APIRouter()
+router = APIRouter(route_class=FastJSONRoute)
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -75,19 +78,27 @@ class _Call:
     t0: float
     results: list[StreamResult]
     done: bool = False
+    delivered: bool = False  # the whole response was handed to the client's connection
 
-    def usage(self) -> Usage:
-        """OpenAI semantics: each distinct prompt counts once, every choice's output counts."""
+    def usage(self, server_failed: bool = False) -> Usage:
+        """OpenAI semantics: each distinct prompt counts once (once an engine has processed it), every
+        choice's output counts. A response the client did not receive whole -- it hung up, or the stream
+        failed -- is billed for the completion tokens handed to its connection, no more; one that failed
+        on our side (`server_failed`: a 5xx) before handing over any token is not billed at all."""
         u = Usage()
         seen: set[int] = set()
+        free = server_failed and not self.delivered and not any(r.sent_tokens for r in self.results)
         for job, r in zip(self.plan.jobs, self.results):
             prompt_key = id(job.prompt_ids)
-            if prompt_key not in seen and (r.usage.prompt_tokens or r.engine_id):
+            if not free and prompt_key not in seen and (r.usage.prompt_tokens or r.engine_id):
                 seen.add(prompt_key)
                 u.prompt_tokens += len(job.prompt_ids)
                 u.cached_tokens += r.usage.cached_tokens
-            u.completion_tokens += r.usage.completion_tokens if r.finish_reason else r.delivered_tokens
+            u.completion_tokens += r.usage.completion_tokens if self.delivered else r.sent_tokens
         return u
+
+    def sent(self, choice: int, tokens: int) -> None:
+        self.results[choice].sent_tokens += tokens
 
     async def finalize(self, status: str, http_status: int, error_code: str | None = None) -> None:
         if self.done:
@@ -95,7 +106,7 @@ class _Call:
         self.done = True
         with anyio.CancelScope(shield=True):  # a client hanging up must not cancel the money path
             gw = self.gw
-            u = self.usage()
+            u = self.usage(server_failed=http_status >= 500)
             await gw.quotas.settle(self.reservation, u.prompt_tokens + u.completion_tokens)
             end = time.monotonic()
             firsts = [r.first_token_at for r in self.results if r.first_token_at is not None]
@@ -118,7 +129,8 @@ class _Call:
                 client_request_id=self.client_request_id,
                 first_token_ms=int(ttft * 1000) if ttft is not None else None,
                 finished_ms=int((end - self.t0) * 1000),
-                engine_id=next((r.engine_id for r in self.results if r.engine_id), None),
+                # The engine that served it -- or, for a request lost inside one, the engine that had it.
+                engine_id=next((r.engine_id or r.tried_engine_id for r in self.results if r.engine_id or r.tried_engine_id), None),
                 compute_us=int(sum(r.compute_seconds for r in self.results) * 1e6),
             )
             via = await gw.meter.record(rec)
@@ -149,7 +161,7 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     resolved = await gw.resolver.resolve(principal.tenant_id, req.model)
     builder = gw.resolver.builders[resolved.base.name]
     try:
-        plan = plan_request(kind, req, builder, resolved.base.max_model_len)
+        plan = await plan_request_async(kind, req, builder, resolved.base.max_model_len)
     except InvalidRequest as exc:
         raise ApiError.from_invalid_request(exc) from None
     request_id = new_request_id()
@@ -157,17 +169,15 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
     bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
     try:
-        reservation = await gw.quotas.reserve(request_id, principal.quota_scopes(), plan.worst_case_tokens)
+        reservation = await gw.quotas.reserve(request_id, principal.quota_scopes(), plan.worst_case_tokens,
+                                              concurrency=len(plan.jobs))  # one engine sequence per choice
     except QuotaExceeded as exc:
         gw.metrics.quota_rejections.labels(reason=exc.window).inc()
         if exc.is_budget:
             raise InsufficientQuotaError(
                 "You exceeded your monthly token budget; raise the budget or wait for the next month.",
                 headers=exc.headers) from None
-        raise RateLimitError(
-            f"Rate limit reached for {exc.scope} {exc.window.replace('_', ' ')}: limit {exc.limit}, in use {exc.current}, "
-            f"this request needs {plan.worst_case_tokens if 'token' in exc.window else 1}. Retry after {exc.headers.get('retry-after', '1')}s.",
-            code="rate_limit_exceeded", headers=exc.headers) from None
+        raise RateLimitError(exc.message, code="rate_limit_exceeded", headers=exc.headers) from None
     except QuotaUnavailable as exc:
         gw.metrics.quota_rejections.labels(reason="quota_store_down").inc()
         raise ServiceUnavailableError(f"Quota service unavailable ({exc}); requests are refused until it returns.",
@@ -208,17 +218,22 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
 
     if req.stream:
         async def body() -> AsyncIterator[bytes]:
-            status, http_status, code = "cancelled", 499, "client_disconnected"
-            try:
-                async for chunk in stream_sse(plan, _response_id(kind, request_id), req.model, _prepend(first, items)):
-                    yield chunk
-                status, http_status, code = "ok", 200, None
-            except (UpstreamRefused, NoEngineAvailable, OSError) as exc:
+            outcome = ["cancelled", 499, "client_disconnected"]
+
+            def failed(exc: BaseException) -> None:  # the stream ends with an error event
                 gw.metrics.upstream_errors.labels(kind="stream").inc()
-                status, http_status, code = "error", 502, exc.__class__.__name__
-                log.warning("stream %s broke: %s", request_id, exc)
+                outcome[:] = _failure(exc)
+                log.warning("stream %s failed: %s", request_id, exc)
+
+            try:
+                async for chunk in stream_sse(plan, _response_id(kind, request_id), req.model, _prepend(first, items),
+                                              on_sent=call.sent, on_error=failed):
+                    yield chunk
+                if outcome[0] == "cancelled":
+                    call.delivered = True
+                    outcome[:] = ["ok", 200, None]
             finally:
-                await call.finalize(status, http_status, code)
+                await call.finalize(*outcome)
 
         return ClosingStreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
@@ -230,6 +245,7 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
         if isinstance(exc, asyncio.CancelledError):
             raise
         raise _as_api_error(exc, gw) from None
+    call.delivered = True
     body["usage"] = call.usage().to_dict()
     # Settle and meter after the response is on the wire: the client does not wait for Postgres.
     return ORJSONResponse(body, headers=headers, background=BackgroundTask(call.finalize, "ok", 200))
@@ -265,25 +281,37 @@ def _response_id(kind: str, request_id: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
 
 
-def _failure(exc: BaseException) -> tuple[str, int, str | None]:
+def _failure(exc: BaseException) -> list:
+    """(ledger status, HTTP status, error code) of a request that ended with `exc`."""
     if isinstance(exc, asyncio.CancelledError):
-        return "cancelled", 499, "client_disconnected"
+        return ["cancelled", 499, "client_disconnected"]
     if isinstance(exc, UpstreamRefused):
-        return "error", exc.status, (exc.body.get("error") or {}).get("code")
-    if isinstance(exc, NoEngineAvailable):
-        return "error", 503, "no_engine"
-    return "error", 500, exc.__class__.__name__
+        return ["error", exc.status, (exc.body.get("error") or {}).get("code")]
+    if isinstance(exc, InvalidRequest):
+        return ["error", exc.status, exc.code]
+    if isinstance(exc, EngineUnavailable):
+        return ["error", exc.status, exc.code]
+    return ["error", 500, exc.__class__.__name__]
 
 
 def _as_api_error(exc: BaseException, gw) -> BaseException:
     if isinstance(exc, UpstreamRefused):
         err = exc.body.get("error") or {}
         gw.metrics.upstream_errors.labels(kind="refused").inc()
-        cls = ApiError.from_invalid_request(InvalidRequest(err.get("message", str(exc)), err.get("param"), err.get("code"), exc.status))
-        return cls
+        message, code = err.get("message", str(exc)), err.get("code")
+        if exc.status >= 500:  # the engine failed this request on its own account: not retried elsewhere
+            return InternalServerError(message, code=code or "request_failed")
+        return ApiError.from_invalid_request(InvalidRequest(message, err.get("param"), code, exc.status))
     if isinstance(exc, NoEngineAvailable):
         gw.metrics.upstream_errors.labels(kind="connect").inc()
-        return ServiceUnavailableError(f"No engine could serve the request right now: {exc}", code="no_engine_available")
+        return ServiceUnavailableError(f"No engine could serve the request right now: {exc}", code="no_engine_available",
+                                       headers={"retry-after": "1"})
+    if isinstance(exc, EngineLost):
+        gw.metrics.upstream_errors.labels(kind="stream").inc()
+        return BadGatewayError(exc.message, code=exc.code)
+    if isinstance(exc, EngineUnavailable):  # an engine fault reported inside the stream
+        gw.metrics.upstream_errors.labels(kind="stream").inc()
+        return ServiceUnavailableError(exc.message, code=exc.code, headers={"retry-after": "1"})
     return exc
 
 
