@@ -128,7 +128,8 @@ def tenant_create(
     tokens_per_min: str = TokensPerMin, requests_per_min: str = RequestsPerMin, concurrent: str = Concurrent,
     monthly_tokens: str = MonthlyTokens, as_json: bool = JsonOut,
 ) -> None:
-    """Create a tenant (limits default to unlimited)."""
+    """Create a tenant. A limit not given gets the new-tenant default (printed with the result; see
+    docs/gateway.md); 'none' makes it unlimited."""
     from services.gateway import crud
 
     limits = _limits(tokens_per_min, requests_per_min, concurrent, monthly_tokens)

@@ -46,6 +46,15 @@ LIMIT_FIELDS: dict[str, int] = {
     "concurrent_requests": 2**31 - 1,
     "monthly_token_budget": 2**63 - 1,
 }
+# What a new tenant gets for every window its creator does not set: finite, so that a tenant nobody thought
+# about cannot take a whole engine (a demo engine runs a few dozen sequences at once). Unlimited (None) must
+# be asked for explicitly. Sized like a starter plan; see docs/gateway.md ("Limits of a new tenant").
+NEW_TENANT_LIMITS: dict[str, int] = {
+    "tokens_per_min": 100_000,
+    "requests_per_min": 300,
+    "concurrent_requests": 16,
+    "monthly_token_budget": 10_000_000,
+}
 MAX_LIVE_KEYS_PER_TENANT = 200  # a runaway script creating keys is a bug to stop, not a workload
 MAX_NAME_LEN = 200
 _SLUG_RE = re.compile(SLUG_PATTERN)
@@ -148,11 +157,12 @@ def create_tenant(
     session: Session, *, name: str, slug: str, plan: str = "default", limits: dict[str, int | None] | None = None,
     actor: Actor,
 ) -> Tenant:
+    """`limits`: the windows to set; each one left out gets NEW_TENANT_LIMITS, None makes it unlimited."""
     name, plan = _clean_name(name, "name"), _clean_name(plan, "plan")
     if not isinstance(slug, str) or not _SLUG_RE.fullmatch(slug):
         raise InvalidRequestError("slug must be 2-63 characters of a-z, 0-9 and '-', starting with a letter or digit",
                                   param="slug")
-    limits = check_limits(limits or {})
+    limits = {**NEW_TENANT_LIMITS, **check_limits(limits or {})}  # a window given (even as None) wins
     if session.scalar(select(Tenant.id).where(Tenant.slug == slug)) is not None:
         raise ConflictError(f"A tenant with slug {slug!r} already exists.", param="slug", code="slug_taken")
     tenant = Tenant(name=name, slug=slug, plan=plan, status=TenantStatus.ACTIVE)

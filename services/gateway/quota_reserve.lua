@@ -3,21 +3,24 @@
 -- KEYS[2..n+1]   one counter per check (string counters or, for "concurrent", a sorted set)
 -- ARGV[1] now (ms)   ARGV[2] request id   ARGV[3] reservation ttl (s)   ARGV[4] n checks
 -- then per check, 5 args: kind ("add"|"concurrent"), limit (-1 = none), amount, ttl (s), name
--- Returns {1, remaining...} on success or {0, failed check name, retry_after_ms, limit, current}.
+-- A "concurrent" amount is a number of units (engine sequences): members rid, rid#1 .. rid#(amount-1),
+-- all scored with the reservation's expiry so a dead holder's units leave together.
+-- Returns {1, remaining...} on success or {0, failed check name, limit, current}; the caller knows
+-- when the refusing window ends (Retry-After), so the script does not guess it from a key's TTL.
 local now = tonumber(ARGV[1])
 local rid = ARGV[2]
 local res_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
 
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, 'duplicate_request', 0, 0, 0}
+  return {0, 'duplicate_request', 0, 0}
 end
 
 local current = {}
 for i = 1, n do
   local base = 4 + (i - 1) * 5
   local kind, limit, amount = ARGV[base + 1], tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  local ttl, name = tonumber(ARGV[base + 4]), ARGV[base + 5]
+  local name = ARGV[base + 5]
   local key = KEYS[i + 1]
   local cur
   if kind == 'concurrent' then
@@ -28,12 +31,7 @@ for i = 1, n do
   end
   current[i] = cur
   if limit >= 0 and cur + amount > limit then
-    local retry = 1000
-    if kind ~= 'concurrent' then
-      retry = redis.call('PTTL', key)
-      if retry < 0 then retry = ttl * 1000 end
-    end
-    return {0, name, retry, limit, cur}
+    return {0, name, limit, cur}
   end
 end
 
@@ -44,7 +42,18 @@ for i = 1, n do
   local ttl, name = tonumber(ARGV[base + 4]), ARGV[base + 5]
   local key = KEYS[i + 1]
   if kind == 'concurrent' then
-    redis.call('ZADD', key, now + res_ttl * 1000, rid)
+    local expires = now + res_ttl * 1000
+    redis.call('ZADD', key, expires, rid)
+    local j = 1
+    while j < amount do  -- in chunks: unpack() is bounded by Lua's stack
+      local args = {}
+      for u = j, math.min(j + 499, amount - 1) do
+        args[#args + 1] = expires
+        args[#args + 1] = rid .. '#' .. u
+      end
+      redis.call('ZADD', key, unpack(args))
+      j = j + 500
+    end
     redis.call('EXPIRE', key, res_ttl)
   else
     redis.call('INCRBY', key, amount)

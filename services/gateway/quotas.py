@@ -2,11 +2,14 @@
 every window of its tenant and key; another replaces the reservation by actual usage, exactly once.
 
 Windows: tokens/min and requests/min (fixed minute windows), concurrent requests (a sorted set of
-live reservations that heals itself when a holder dies) and monthly tokens. Every key has a TTL.
+live reservations that heals itself when a holder dies) and monthly tokens (calendar month, UTC). Every
+key has a TTL. A refusal's Retry-After is the time to the end of the window that refused, never a key's
+TTL (minute keys outlive their minute so the usage API can still read them).
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,6 +22,16 @@ from redis.exceptions import NoScriptError, RedisError
 RESERVATION_TTL_S = 3600  # the longest a request may hold a reservation before it is presumed dead
 MINUTE_TTL_S = 120
 MONTH_TTL_S = 40 * 86400
+# A concurrency slot frees when any in-flight request of the scope finishes, which nobody can predict: a
+# short retry is the honest hint (most requests last seconds; clients back off further on their own).
+CONCURRENT_RETRY_S = 1.0
+
+_WINDOW_WORDS = {
+    "tokens_per_min": "tokens per minute",
+    "requests_per_min": "requests per minute",
+    "concurrent": "concurrent requests",
+    "monthly_tokens": "monthly token budget",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +50,41 @@ class Scope:
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, window: str, scope: str, retry_after_s: float, limit: int, current: int, headers: dict[str, str]):
-        super().__init__(f"{scope} {window} limit {limit} reached")
+    """A window refused the request. `retryable` is False when the request alone needs more than the
+    limit (it can never be admitted): then there is no Retry-After, and `x-should-retry: false` tells
+    OpenAI SDKs not to retry."""
+
+    def __init__(self, window: str, scope: str, retry_after_s: float, limit: int, current: int, headers: dict[str, str],
+                 needed: int = 0):
         self.window, self.scope, self.retry_after_s = window, scope, retry_after_s
-        self.limit, self.current, self.headers = limit, current, headers
+        self.limit, self.current, self.headers, self.needed = limit, current, headers, needed
+        super().__init__(self.message)
 
     @property
     def is_budget(self) -> bool:
         return self.window == "monthly_tokens"
+
+    @property
+    def retryable(self) -> bool:
+        return self.needed <= self.limit
+
+    @property
+    def message(self) -> str:
+        """The OpenAI error message for this refusal."""
+        words = _WINDOW_WORDS.get(self.window, self.window.replace("_", " "))
+        if self.retryable:
+            return (f"Rate limit reached for {self.scope} {words}: limit {self.limit}, in use {self.current}, "
+                    f"this request needs {self.needed}. Retry after {self.headers.get('retry-after', '1')}s.")
+        if self.window == "concurrent":
+            fix = ("It runs one engine sequence per prompt and per choice (n); send fewer prompts or a smaller n per "
+                   "request, or ask for a higher limit.")
+        elif self.window == "requests_per_min":
+            fix = "Ask for a higher limit."
+        else:
+            fix = ("Reduce the prompt or max_tokens (the quota reserves prompt + max_tokens for every choice), or ask "
+                   "for a higher limit.")
+        return (f"Request too large for {self.scope} {words}: limit {self.limit}, this request needs {self.needed}, so "
+                f"it can never be admitted and retrying will not help. {fix}")
 
 
 class QuotaUnavailable(Exception):
@@ -63,9 +103,35 @@ def _script(name: str) -> str:
     return resources.files("services.gateway").joinpath(name).read_text()
 
 
+def _seconds_up(ms: float) -> int:
+    return math.ceil(max(0, round(ms)) / 1000)  # round first: float noise must not add a second
+
+
 def _duration(ms: float) -> str:
-    s = max(0.0, ms / 1000)
-    return f"{int(s // 60)}m{s % 60:.0f}s" if s >= 60 else f"{s:.0f}s" if s >= 1 else f"{int(ms)}ms"
+    """OpenAI's x-ratelimit-reset-* format ("1m0s", "57s", "100ms"); whole seconds round up like Retry-After."""
+    if round(ms) < 1000:
+        return f"{max(0, round(ms))}ms"
+    s = _seconds_up(ms)
+    return f"{s // 60}m{s % 60}s" if s >= 60 else f"{s}s"
+
+
+def _too_large_headers(window: str, limit: int) -> dict[str, str]:
+    headers = {"x-should-retry": "false"}
+    if window in ("tokens_per_min", "requests_per_min"):
+        unit = "tokens" if window == "tokens_per_min" else "requests"
+        headers[f"x-ratelimit-limit-{unit}"] = str(limit)
+    return headers
+
+
+def window_end(window: str, now: float) -> float:
+    """When the window holding `now` ends (epoch seconds), i.e. when a refusal by it can first succeed."""
+    if window in ("tokens_per_min", "requests_per_min"):
+        return (now // 60 + 1) * 60
+    if window == "monthly_tokens":
+        t = datetime.fromtimestamp(now, timezone.utc)
+        return datetime(t.year + t.month // 12, t.month % 12 + 1, 1, tzinfo=timezone.utc).timestamp()
+    assert window == "concurrent", window
+    return now + CONCURRENT_RETRY_S
 
 
 class Quotas:
@@ -110,7 +176,14 @@ class Quotas:
             setattr(self, sha_attr, None)
             return await self._eval(which, keys, args)
 
-    async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, now: float | None = None) -> Reservation:
+    async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, now: float | None = None, *,
+                      concurrency: int = 1) -> Reservation:
+        """Reserve `tokens` (the worst case) and one request against every window of `scopes`.
+
+        `concurrency` is how many engine sequences the request runs at once (prompts x n): it holds that
+        many units of the concurrent window until settled; requests/min still counts it once."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, not {concurrency}")
         now = time.time() if now is None else now
         keys = [f"{self.prefix}:res:{request_id}"]
         args: list = [int(now * 1000), request_id, RESERVATION_TTL_S, 0]
@@ -120,12 +193,14 @@ class Quotas:
             for window, kind, amount, ttl in (
                 ("tokens_per_min", "add", tokens, MINUTE_TTL_S),
                 ("requests_per_min", "add", 1, MINUTE_TTL_S),
-                ("concurrent", "concurrent", 1, RESERVATION_TTL_S),
+                ("concurrent", "concurrent", concurrency, RESERVATION_TTL_S),
                 ("monthly_tokens", "add", tokens, MONTH_TTL_S),
             ):
                 limit = getattr(scope.limits, window)
                 if limit is None and window in ("concurrent", "monthly_tokens"):
                     continue  # nothing to enforce; tokens/requests per minute are always counted for headers
+                if limit is not None and amount > limit:  # waiting cannot help: refuse now, touching nothing
+                    raise QuotaExceeded(window, scope.kind, 0, limit, 0, _too_large_headers(window, limit), amount)
                 keys.append(names[window])
                 args += [kind, -1 if limit is None else limit, amount, ttl, f"{scope.kind}:{window}"]
                 checks.append((scope, window))
@@ -143,13 +218,15 @@ class Quotas:
         if name == "duplicate_request":
             raise QuotaExceeded("duplicate_request", "request", 0, 0, 0, {})
         scope_kind, window = name.split(":", 1)
-        retry_ms, limit, current = int(result[2]), int(result[3]), int(result[4])
-        headers = {"retry-after": str(max(1, round(retry_ms / 1000)))}
+        limit, current = int(result[2]), int(result[3])
+        retry_ms = (window_end(window, now) - now) * 1000
+        headers = {"retry-after": str(max(1, _seconds_up(retry_ms)))}
         if window in ("tokens_per_min", "requests_per_min"):
             unit = "tokens" if window == "tokens_per_min" else "requests"
             headers |= {f"x-ratelimit-limit-{unit}": str(limit), f"x-ratelimit-remaining-{unit}": str(max(0, limit - current)),
                         f"x-ratelimit-reset-{unit}": _duration(retry_ms)}
-        raise QuotaExceeded(window, scope_kind, retry_ms / 1000, limit, current, headers)
+        needed = {"requests_per_min": 1, "concurrent": concurrency}.get(window, tokens)
+        raise QuotaExceeded(window, scope_kind, retry_ms / 1000, limit, current, headers, needed)
 
     async def _seed_months(self, scopes: list[Scope], now: float) -> None:
         """A missing monthly counter (new month, or Redis lost it) starts from the ledger, not from zero."""
@@ -163,7 +240,7 @@ class Quotas:
 
     def _headers(self, checks: list[tuple[Scope, str]], remaining: list[int], now: float) -> dict[str, str]:
         headers: dict[str, str] = {}
-        reset = _duration((60 - now % 60) * 1000)
+        reset = _duration((window_end("tokens_per_min", now) - now) * 1000)
         for unit, window in (("tokens", "tokens_per_min"), ("requests", "requests_per_min")):
             best: tuple[int, int] | None = None
             for (scope, w), left in zip(checks, remaining):

@@ -30,6 +30,7 @@ from services.common.models import (
     User,
 )
 from services.engine.registry import REGISTRY_SET, entry_key
+from services.gateway.crud import NEW_TENANT_LIMITS
 from tests.factories import (
     make_adapter,
     make_adapter_version,
@@ -89,8 +90,7 @@ def test_create_tenant_then_its_users_sign_in(admin, browser, world, db):
     assert r.status_code == 201, r.text
     t = r.json()
     assert t["slug"] == slug and t["plan"] == "pro" and t["status"] == "active"
-    assert t["limits"] == {"tokens_per_min": 5000, "requests_per_min": None, "concurrent_requests": 4,
-                           "monthly_token_budget": None}
+    assert t["limits"] == {**NEW_TENANT_LIMITS, "tokens_per_min": 5000, "concurrent_requests": 4}  # the rest: defaults
     tid = uuid.UUID(t["id"])
     [created] = _audit(db, tenant_id=tid, action="tenant.create")
     assert created.actor_user_id == world.platform_admin.id and created.details["slug"] == slug
@@ -131,6 +131,25 @@ def test_create_tenant_validation(admin, body, param):
     r = admin.post("/api/admin/tenants", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_new_tenant_without_limits_gets_finite_defaults(admin, db):
+    r = admin.post("/api/admin/tenants", json={"name": "Quiet", "slug": unique("quiet")})
+    assert r.status_code == 201, r.text
+    assert r.json()["limits"] == NEW_TENANT_LIMITS
+    assert all(v is not None and v > 0 for v in NEW_TENANT_LIMITS.values())
+    row = db.get(TenantLimits, uuid.UUID(r.json()["id"]))  # stored, so the request path and the admin see the same
+    assert (row.tokens_per_min, row.requests_per_min, row.concurrent_requests, row.monthly_token_budget) == tuple(
+        NEW_TENANT_LIMITS.values())
+    [created] = _audit(db, tenant_id=row.tenant_id, action="tenant.create")
+    assert created.details["limits"] == NEW_TENANT_LIMITS
+
+
+def test_an_admin_can_still_create_a_tenant_with_a_window_unlimited(admin):
+    r = admin.post("/api/admin/tenants", json={"name": "Big", "slug": unique("big"),
+                                               "limits": {"monthly_token_budget": None, "requests_per_min": 0}})
+    assert r.status_code == 201, r.text
+    assert r.json()["limits"] == {**NEW_TENANT_LIMITS, "monthly_token_budget": None, "requests_per_min": 0}
 
 
 def test_duplicate_slug_is_a_conflict(admin, world):
@@ -371,8 +390,8 @@ def test_cli_tenant_lifecycle(cli, db, gateway):
 
     limits = json.loads(cli("admin", "tenant", "limits", slug, "--concurrent", "2", "--tokens-per-min", "unlimited",
                             "--json").stdout)
-    assert limits == {"tokens_per_min": None, "requests_per_min": None, "concurrent_requests": 2,
-                      "monthly_token_budget": None}
+    assert limits == {"tokens_per_min": None, "requests_per_min": NEW_TENANT_LIMITS["requests_per_min"],
+                      "concurrent_requests": 2, "monthly_token_budget": None}
     assert db.get(TenantLimits, tid).concurrent_requests == 2
     assert cli("admin", "tenant", "limits", slug, "--concurrent", "lots", ok=False).exit_code == 1
 
@@ -390,6 +409,12 @@ def test_cli_tenant_lifecycle(cli, db, gateway):
     rows = _audit(db, tenant_id=tid)
     assert [r.action for r in rows] == ["tenant.create", "tenant.limits", "key.create", "tenant.suspend", "tenant.activate"]
     assert all(r.actor_user_id is None and r.details["via"] == "cli" for r in rows)
+
+
+def test_cli_create_without_limits_gets_the_defaults(cli, db):
+    out = json.loads(cli("admin", "tenant", "create", unique("cli-plain"), "--concurrent", "none", "--json").stdout)
+    assert out["limits"] == {**NEW_TENANT_LIMITS, "concurrent_requests": None}  # 'none' still means unlimited
+    assert db.get(TenantLimits, uuid.UUID(out["id"])).tokens_per_min == NEW_TENANT_LIMITS["tokens_per_min"]
 
 
 def test_cli_users_and_keys(cli, db, gateway, browser):
@@ -441,7 +466,8 @@ def test_seed_demo_is_idempotent_and_its_sign_ins_work(cli, db, gateway, browser
 
     tenant = db.scalar(select(Tenant).where(Tenant.slug == DEMO_SLUG))
     assert str(tenant.id) == first["tenant_id"]
-    assert db.get(TenantLimits, tenant.id).tokens_per_min is not None
+    row = db.get(TenantLimits, tenant.id)
+    assert None not in (row.tokens_per_min, row.requests_per_min, row.concurrent_requests, row.monthly_token_budget)
     for u in DEMO_USERS:
         assert db.scalar(select(User).where(User.email == u.email)).role == u.role
         me = browser(u.email, u.password).get("/api/auth/me").json()["user"]

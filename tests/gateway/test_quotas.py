@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import datetime
 
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.quotas import Limits, QuotaExceeded, QuotaUnavailable, Quotas, Scope
+from services.gateway.quotas import (
+    CONCURRENT_RETRY_S,
+    MINUTE_TTL_S,
+    RESERVATION_TTL_S,
+    Limits,
+    QuotaExceeded,
+    QuotaUnavailable,
+    Quotas,
+    Scope,
+    window_end,
+)
 from services.gateway.state import make_redis
 
 
@@ -142,3 +153,167 @@ def test_redis_down_fails_closed_by_default_and_open_when_configured(prefix):
     with pytest.raises(QuotaUnavailable):
         run(main(False))
     assert run(main(True)).enforced is False
+
+
+MINUTE = 1_800_000_000 // 60 * 60  # an exact minute boundary (epoch seconds)
+
+
+@pytest.mark.parametrize("offset, expected, reset", [
+    (0.0, 60, "1m0s"), (0.4, 60, "1m0s"), (3.5, 57, "57s"), (30.0, 30, "30s"), (56.2, 4, "4s"), (59.9, 1, "100ms"),
+])
+def test_retry_after_is_the_time_to_the_end_of_the_refusing_minute(service_urls, redis_client, prefix, offset, expected,
+                                                                   reset):
+    """Not the counter key's TTL (it lives 120 s so the usage API can read the last window)."""
+    now = MINUTE + offset
+
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        tokens = [Scope("key", "kt", Limits(tokens_per_min=100))]
+        requests = [Scope("key", "kr", Limits(requests_per_min=1))]
+        await q.reserve("t1", tokens, 100, now=now)
+        await q.reserve("r1", requests, 1, now=now)
+        refused = []
+        for rid, scope in (("t2", tokens), ("r2", requests)):
+            with pytest.raises(QuotaExceeded) as exc:
+                await q.reserve(rid, scope, 1, now=now)
+            refused.append(exc.value)
+        await q.redis.aclose()
+        return refused
+
+    by_tokens, by_requests = run(main())
+    assert by_tokens.window == "tokens_per_min" and by_requests.window == "requests_per_min"
+    for e, unit in ((by_tokens, "tokens"), (by_requests, "requests")):
+        assert e.retryable and e.needed == 1
+        assert int(e.headers["retry-after"]) == expected
+        assert e.retry_after_s == pytest.approx(60 - offset)
+        assert e.headers[f"x-ratelimit-reset-{unit}"] == reset
+        assert f"Retry after {expected}s" in e.message
+    # The window keys keep their layout and TTL: other readers (the tenant usage API) depend on them.
+    assert 60 < redis_client.ttl(f"{prefix}:key:kt:tpm:{MINUTE // 60}") <= MINUTE_TTL_S
+
+
+@pytest.mark.parametrize("now_iso, expected_s", [
+    ("2027-01-31T23:59:00+00:00", 60),  # a minute before February
+    ("2027-02-14T12:00:00+00:00", 14 * 86400 + 12 * 3600),  # to March 1st (28-day February)
+    ("2026-12-31T23:59:59.5+00:00", 1),  # December rolls over into next year's January
+])
+def test_budget_retry_after_is_the_start_of_next_month_utc(service_urls, prefix, now_iso, expected_s):
+    now = datetime.fromisoformat(now_iso).timestamp()
+
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        scope = [Scope("tenant", "tm", Limits(monthly_tokens=100))]
+        await q.reserve("m1", scope, 90, now=now)
+        with pytest.raises(QuotaExceeded) as exc:
+            await q.reserve("m2", scope, 20, now=now)
+        await q.redis.aclose()
+        return exc.value
+
+    e = run(main())
+    assert e.is_budget and e.retryable
+    assert int(e.headers["retry-after"]) == expected_s
+    assert window_end("monthly_tokens", now) - now == pytest.approx(expected_s, abs=0.5)
+
+
+def test_a_request_holds_one_concurrent_unit_per_sequence_and_settle_frees_them_all(service_urls, redis_client, prefix):
+    now = MINUTE + 10.0
+    conc = f"{prefix}:tenant:tc:conc"
+
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        scope = [Scope("tenant", "tc", Limits(concurrent=5, requests_per_min=100))]
+        three = await q.reserve("three", scope, 30, now=now, concurrency=3)
+        assert await q.redis.zcard(conc) == 3
+        with pytest.raises(QuotaExceeded) as exc:  # 3 held + 3 > 5: busy now, fits once "three" settles
+            await q.reserve("again", scope, 30, now=now, concurrency=3)
+        busy = exc.value
+        two = await q.reserve("two", scope, 20, now=now, concurrency=2)
+        assert await q.redis.zcard(conc) == 5
+        assert await q.settle(three, 12) is True
+        assert await q.redis.zcard(conc) == 2
+        assert await q.settle(three, 12) is False  # exactly once: a second settle releases nothing more
+        assert await q.redis.zcard(conc) == 2
+        assert await q.settle(two, 8) is True
+        assert await q.redis.zcard(conc) == 0
+        rpm = int(await q.redis.get(f"{prefix}:tenant:tc:rpm:{int(now // 60)}"))
+        await q.redis.aclose()
+        return busy, rpm
+
+    busy, rpm = run(main())
+    assert busy.window == "concurrent" and busy.retryable
+    assert (busy.limit, busy.current, busy.needed) == (5, 3, 3)
+    assert busy.headers == {"retry-after": "1"} and busy.retry_after_s == CONCURRENT_RETRY_S
+    assert "limit 5, in use 3, this request needs 3" in busy.message
+    assert rpm == 2  # requests/min counts HTTP requests, not sequences
+    assert redis_client.keys(f"{prefix}:res:*") == []
+
+
+def test_more_sequences_than_the_concurrency_limit_is_refused_for_good(service_urls, redis_client, prefix):
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        tenant = Scope("tenant", "tn", Limits(concurrent=4, tokens_per_min=10_000))
+        with pytest.raises(QuotaExceeded) as conc:  # an idle tenant: waiting would not help
+            await q.reserve("hundred", [tenant, Scope("key", "kn", Limits())], 100, now=MINUTE, concurrency=100)
+        with pytest.raises(QuotaExceeded) as tokens:
+            await q.reserve("huge", [tenant], 10_001, now=MINUTE)
+        await q.redis.aclose()
+        return conc.value, tokens.value
+
+    conc, tokens = run(main())
+    assert (conc.window, conc.scope, conc.limit, conc.needed, conc.retryable) == ("concurrent", "tenant", 4, 100, False)
+    assert "retry-after" not in conc.headers and conc.headers["x-should-retry"] == "false"
+    assert "can never be admitted" in conc.message and "fewer prompts or a smaller n" in conc.message
+    assert (tokens.window, tokens.needed, tokens.retryable) == ("tokens_per_min", 10_001, False)
+    assert "retry-after" not in tokens.headers and tokens.headers["x-ratelimit-limit-tokens"] == "10000"
+    assert "max_tokens" in tokens.message
+    assert redis_client.keys(f"{prefix}:*") == []  # refused before anything was counted
+
+
+def test_a_dead_holder_releases_all_its_units_when_its_reservation_expires(service_urls, redis_client, prefix):
+    conc = f"{prefix}:tenant:td:conc"
+
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        scope = [Scope("tenant", "td", Limits(concurrent=6))]
+        await q.reserve("dead", scope, 10, now=MINUTE, concurrency=6)  # its gateway dies: never settled
+        with pytest.raises(QuotaExceeded):
+            await q.reserve("blocked", scope, 10, now=MINUTE + 60, concurrency=1)
+        later = MINUTE + RESERVATION_TTL_S + 1
+        alive = await q.reserve("alive", scope, 10, now=later, concurrency=6)
+        members = sorted(m.decode() for m in await q.redis.zrange(conc, 0, -1))
+        assert await q.settle(alive, 10) is True
+        left = await q.redis.zcard(conc)
+        await q.redis.aclose()
+        return members, left
+
+    members, left = run(main())
+    assert members == ["alive"] + [f"alive#{i}" for i in range(1, 6)]
+    assert left == 0
+
+
+def test_a_wide_request_reserves_and_releases_thousands_of_units(service_urls, prefix):
+    """Units are added and removed in chunks (Lua's unpack() is bounded by its stack)."""
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        scope = [Scope("tenant", "tw", Limits(concurrent=5000))]
+        conc = f"{prefix}:tenant:tw:conc"
+        wide = await q.reserve("wide", scope, 1, now=MINUTE, concurrency=4321)
+        held = await q.redis.zcard(conc)
+        assert await q.settle(wide, 1) is True
+        left = await q.redis.zcard(conc)
+        await q.redis.aclose()
+        return held, left
+
+    assert run(main()) == (4321, 0)
+
+
+def test_concurrency_must_be_positive(service_urls, prefix):
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        try:
+            with pytest.raises(ValueError):
+                await q.reserve("zero", [Scope("tenant", "tz", Limits(concurrent=1))], 1, now=MINUTE, concurrency=0)
+        finally:
+            await q.redis.aclose()
+
+    run(main())

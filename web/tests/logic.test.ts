@@ -3,7 +3,7 @@ import type { FinanceRow } from "../src/api/types";
 import { FINANCE_COLUMNS, columnDef, csvUrl, financeTotals, totalsMismatch } from "../src/lib/finance";
 import { formatBytes, formatMetric, meterFraction, meterLevel, relativeTime } from "../src/lib/format";
 import { gateRows, gateSummary } from "../src/lib/gate";
-import { limitsToText, parseLimits, slugify } from "../src/lib/limits";
+import { givenLimits, limitsToText, parseLimits, slugify } from "../src/lib/limits";
 import { canOpen, homeFor, navFor } from "../src/lib/roles";
 import { matchRoute } from "../src/lib/router";
 import { sortRows } from "../src/lib/sort";
@@ -175,6 +175,13 @@ describe("limits", () => {
   it("round-trips through the form text", () => {
     const l = { tokens_per_min: 5, requests_per_min: null, concurrent_requests: 0, monthly_token_budget: 7 };
     expect(parseLimits(limitsToText(l))).toEqual({ ok: true, limits: l });
+  });
+
+  it("sends only the filled-in windows when creating, so the rest get the server's defaults", () => {
+    expect(givenLimits({ tokens_per_min: 0, requests_per_min: null, concurrent_requests: 8, monthly_token_budget: null })).toEqual({
+      tokens_per_min: 0,
+      concurrent_requests: 8,
+    });
   });
 
   it("suggests URL-safe slugs", () => {

@@ -51,7 +51,8 @@ IntLimit = Annotated[int, Field(ge=0, le=crud.LIMIT_FIELDS["requests_per_min"])]
 
 
 class LimitsIn(BaseModel):
-    """Each window: an integer, or null for unlimited. On PATCH, a window left out keeps its value."""
+    """Each window: an integer, or null for unlimited. On create, a window left out gets the new-tenant
+    default (crud.NEW_TENANT_LIMITS); on PATCH, it keeps its value."""
 
     model_config = ConfigDict(extra="forbid")
     tokens_per_min: BigLimit | None = None

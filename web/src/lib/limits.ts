@@ -38,6 +38,11 @@ export function parseLimits(text: LimitsText): ParsedLimits {
   return { ok: true, limits: out as Limits };
 }
 
+/** Only the windows the admin filled in: on create, the server gives every other one the new-tenant default. */
+export function givenLimits(limits: Limits): Partial<Limits> {
+  return Object.fromEntries(Object.entries(limits).filter(([, v]) => v !== null)) as Partial<Limits>;
+}
+
 /** "Acme Corp." -> "acme-corp": a URL-safe default the admin can still edit. */
 export function slugify(name: string): string {
   return name

@@ -7,7 +7,7 @@ import { Badge } from "../components/Badge";
 import { Empty, ErrorBox, FormError, LiveText, Loading, TableScroll } from "../components/Status";
 import { useApp } from "../context";
 import { formatInt, formatLimit } from "../lib/format";
-import { LIMIT_FIELDS, limitsToText, parseLimits, slugify, type LimitsText } from "../lib/limits";
+import { LIMIT_FIELDS, givenLimits, limitsToText, parseLimits, slugify, type LimitsText } from "../lib/limits";
 import { useAction } from "../lib/useAction";
 import { useApi } from "../lib/useApi";
 
@@ -45,10 +45,10 @@ export function TenantsPage() {
   );
 }
 
-function LimitInputs(props: { idPrefix: string; value: LimitsText; onChange: (v: LimitsText) => void }) {
+function LimitInputs(props: { idPrefix: string; value: LimitsText; onChange: (v: LimitsText) => void; blank: "unlimited" | "default" }) {
   return (
     <fieldset class="limits">
-      <legend>Limits (blank = unlimited)</legend>
+      <legend>{props.blank === "default" ? "Limits (blank = the new-tenant default; edit later to make one unlimited)" : "Limits (blank = unlimited)"}</legend>
       <div class="grid-4">
         {LIMIT_FIELDS.map((f) => (
           <div class="field" key={f.key}>
@@ -56,7 +56,7 @@ function LimitInputs(props: { idPrefix: string; value: LimitsText; onChange: (v:
             <input
               id={`${props.idPrefix}-${f.testid}`}
               inputMode="numeric"
-              placeholder="unlimited"
+              placeholder={props.blank}
               value={props.value[f.key]}
               onInput={(e) => props.onChange({ ...props.value, [f.key]: (e.target as HTMLInputElement).value })}
               data-testid={`${props.idPrefix}-${f.testid}`}
@@ -80,7 +80,7 @@ function CreateTenant({ onCreated }: { onCreated: (t: Tenant) => void }) {
   const submit = (ev: Event) => {
     ev.preventDefault();
     void action.run(async () => {
-      const t = await client.post<Tenant>("/api/admin/tenants", { name: name.trim(), slug: slug.trim(), plan: plan.trim(), limits: limitsOrThrow(limits) });
+      const t = await client.post<Tenant>("/api/admin/tenants", { name: name.trim(), slug: slug.trim(), plan: plan.trim(), limits: givenLimits(limitsOrThrow(limits)) });
       setName("");
       setSlug("");
       setSlugEdited(false);
@@ -130,7 +130,7 @@ function CreateTenant({ onCreated }: { onCreated: (t: Tenant) => void }) {
           </div>
         </div>
         <PlanSuggestions />
-        <LimitInputs idPrefix="tenant" value={limits} onChange={setLimits} />
+        <LimitInputs idPrefix="tenant" value={limits} onChange={setLimits} blank="default" />
         <FormError error={action.error} testid="create-tenant-error" />
         <button type="submit" class="btn btn-primary" disabled={action.busy} data-testid="create-tenant">
           {action.busy ? "Creating…" : "Create tenant"}
@@ -257,7 +257,7 @@ function EditTenant({ tenant, onDone }: { tenant: Tenant; onDone: (msg: string |
         </div>
       </div>
       <PlanSuggestions />
-      <LimitInputs idPrefix="edit" value={limits} onChange={setLimits} />
+      <LimitInputs idPrefix="edit" value={limits} onChange={setLimits} blank="unlimited" />
       <FormError error={action.error} testid="edit-tenant-error" />
       <div class="row">
         <button type="submit" class="btn btn-primary" disabled={action.busy} data-testid="edit-tenant-save">
