@@ -1,8 +1,9 @@
 """`mplex worker` and `mplex beat`: run the shared Celery app's worker (with Prometheus metrics, /health and
 /ready on its own port) and its beat scheduler.
 
-Metrics (port 9100 by default): `mplex_worker_tasks_total{task,state}` (state: started, success, failure,
-retry), `mplex_worker_task_duration_seconds{task}` and `mplex_worker_queue_depth{queue}` (messages waiting
+Metrics on 127.0.0.1:9100 by default (Kubernetes passes the pod IP as MPLEX_WORKER_METRICS_HOST so probes and
+scrapes reach it): `mplex_worker_tasks_total{task,state}` (state: started, success, failure, retry),
+`mplex_worker_task_duration_seconds{task}` and `mplex_worker_queue_depth{queue}` (messages waiting
 in the broker, read at scrape time). Tasks run in prefork child processes, so their counters go through
 prometheus_client's multiprocess mode (a private directory per worker) and the parent serves the sum.
 """
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -35,7 +37,7 @@ def worker(
     concurrency: int = typer.Option(None, help="Worker processes (default: number of CPUs)"),
     pool: str = typer.Option("prefork", help="prefork | threads | solo"),
     metrics_port: int = typer.Option(9100, envvar="MPLEX_WORKER_METRICS_PORT", help="Port for /metrics, /health, /ready"),
-    metrics_host: str = typer.Option("0.0.0.0", envvar="MPLEX_WORKER_METRICS_HOST", help="Interface for the metrics port (probes and scrapes come from outside the pod)"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="MPLEX_WORKER_METRICS_HOST", help="Address for the metrics port (Kubernetes passes the pod IP)"),
     loglevel: str = typer.Option("info", help="Log level"),
 ) -> None:
     """Consume tasks from QUEUES until stopped (SIGTERM: warm shutdown, running tasks finish)."""
@@ -235,8 +237,12 @@ def _serve_http(celery, state: _WorkerState, host: str, port: int, metrics_dir: 
         def log_message(self, *args):  # scrapes every few seconds would drown the worker's log
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = (_ThreadingHTTPServerV6 if ":" in host else ThreadingHTTPServer)((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="worker-metrics", daemon=True).start()
-    log.info("worker metrics on http://%s:%d/metrics", host, server.server_address[1])
+    log.info("worker metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, server.server_address[1])
     return server
+
+
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6  # an IPv6 pod IP (IPv6-only or dual-stack clusters)

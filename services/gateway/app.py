@@ -14,13 +14,16 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import ApiError
-from services.common.openai_protocol import error_body
+from services.common.http_limits import RequestLimits
+from services.common.openai_protocol import error_body, validation_error_body
 from services.common.settings import Settings
 from services.common.wire import InvalidRequest
+from services.gateway.security import install_security_headers
 from services.gateway.state import Gateway, build_gateway
 
 log = logging.getLogger("mplex.gateway")
 WEB_DIST = Path(__file__).resolve().parents[2] / "web" / "dist"
+UPLOAD_PATHS = (r"/api/tenant/adapters", r"/api/admin/tenants/[^/]+/adapters")
 
 
 class _MetricsMiddleware:
@@ -90,11 +93,7 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        return JSONResponse(error_body(f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param), 400)
+        return JSONResponse(validation_error_body(exc.errors()), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
@@ -107,6 +106,10 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
         return JSONResponse(error_body("The server had an error while processing your request.", "server_error", None, "internal_error"), 500)
 
     app.add_middleware(_MetricsMiddleware)
+    # Adapter uploads stream their bodies under the adapter pipeline's own (much larger) limits.
+    app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes, max_header_bytes=settings.max_header_bytes,
+                       streaming_paths=UPLOAD_PATHS)
+    install_security_headers(app, hsts=settings.session_cookie_secure)
 
     @app.get("/health", include_in_schema=False)
     async def health():

@@ -167,12 +167,29 @@ def test_beat_drives_the_engine_sampler(stack, worker, redis_client, db):
         redis_client.srem(REGISTRY_SET, engine_id)
 
 
-def test_worker_metrics_port_is_configurable(stack):
+def listening_addresses(pid: int, port: int) -> set[str]:
+    import psutil
+
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_worker_metrics_port_listens_on_loopback_only_by_default(worker):
+    port = int(worker.url.rsplit(":", 1)[1])
+    assert listening_addresses(worker.popen.pid, port) == {"127.0.0.1"}
+
+
+def test_worker_metrics_address_is_configurable(stack):
+    # Kubernetes passes the pod IP the same way; another loopback address stands in for it here.
     port = free_port()
-    proc = stack._spawn("worker-env-port", ["worker", "--queues", "adapters.ingest"], env={"MPLEX_WORKER_METRICS_PORT": str(port)},
-                        ready=f"http://127.0.0.1:{port}/ready")
+    proc = stack._spawn("worker-env-port", ["worker", "--queues", "adapters.ingest"],
+                        env={"MPLEX_WORKER_METRICS_PORT": str(port), "MPLEX_WORKER_METRICS_HOST": "127.0.0.2"},
+                        ready=f"http://127.0.0.2:{port}/ready")
     try:
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert httpx.get(f"http://127.0.0.2:{port}/health", timeout=5).status_code == 200
+        assert listening_addresses(proc.popen.pid, port) == {"127.0.0.2"}
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         stack.stop(proc)
 

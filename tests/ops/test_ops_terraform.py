@@ -45,9 +45,9 @@ def test_secret_inputs_and_outputs_are_sensitive():
     inv = terraform_inventory()
     for name, module in inv.items():
         for var, spec in module["variables"].items():
-            if re.search(r"password|auth_token|secret_key", var):
+            if re.search(r"password|auth_token|secret_key|engine_token", var):
                 assert spec["sensitive"], f"{name}: variable {var} must be sensitive"
-    for out in ("database_password", "redis_auth_token", "secret_key"):
+    for out in ("database_password", "redis_auth_token", "secret_key", "engine_token"):
         assert inv["modules/secrets"]["outputs"][out]["sensitive"]
 
 
@@ -138,10 +138,25 @@ def test_gpu_nodes_are_tainted_and_engines_take_one_gpu_each():
     sts = _block(engine, 'resource "kubernetes_stateful_set_v1" "engine"')
     assert sts.count('"nvidia.com/gpu" = "1"') == 2  # request and limit
     assert "toleration {" in sts and "node_selector                    = var.gpu_node_selector" in sts
-    assert 'path = "/ready"' in _block(sts, "readiness_probe")
+    assert 'path = "/health"' in _block(sts, "readiness_probe")  # the one engine path open to probes
     assert "engine_drain.py" in _block(sts, "pre_stop")
     assert "termination_grace_period_seconds = var.engine.termination_grace_period_seconds" in sts
     assert '["mplex", "engine", "serve", "--model", "/models/base", "--host", "0.0.0.0", "--port", "8100"]' in sts
+
+
+def test_engines_the_gateway_and_prometheus_share_the_engine_credential():
+    env = _block(_hcl("k8s_app", "main.tf"), 'resource "kubernetes_secret_v1" "env"')
+    assert re.search(r"MPLEX_ENGINE_TOKENS\s*= var\.engine_tokens", env)
+    for filename, header in (("engine.tf", 'resource "kubernetes_stateful_set_v1" "engine"'),
+                             ("gateway.tf", 'resource "kubernetes_deployment_v1" "gateway"')):
+        assert "name = kubernetes_secret_v1.env.metadata[0].name" in _block(_hcl("k8s_app", filename), header)
+    secrets = _hcl("secrets", "main.tf")
+    assert '"engine-token"      = random_password.engine_token.result' in secrets
+    monitoring = _hcl("k8s_app", "monitoring.tf")
+    scrape = _block(monitoring, 'resource "kubernetes_secret_v1" "engine_scrape"')
+    assert 'split(",", var.engine_tokens)[0]' in scrape
+    engines = _block(monitoring, 'port = "http", path = "/metrics"')
+    assert 'type        = "Bearer"' in engines and "kubernetes_secret_v1.engine_scrape[0].metadata[0].name" in engines
 
 
 def test_workers_per_queue_single_beat_and_migrations_before_rollout():
@@ -160,6 +175,15 @@ def test_workers_per_queue_single_beat_and_migrations_before_rollout():
                          ('resource "kubernetes_deployment_v1" "worker"', workers),
                          ('resource "kubernetes_deployment_v1" "beat"', workers)]:
         assert "kubernetes_job_v1.migrate" in _block(text, header), header
+
+
+def test_worker_metrics_bind_the_pod_ip_not_every_interface():
+    # The worker binds loopback by default; in the cluster it binds the pod IP (downward API), where the kubelet
+    # probes and Prometheus scrapes.
+    worker = _block(_hcl("k8s_app", "workers.tf"), 'resource "kubernetes_deployment_v1" "worker"')
+    pod_ip = r'name = "MPLEX_WORKER_METRICS_HOST"\s*value_from \{\s*field_ref \{\s*field_path = "status.podIP"'
+    assert re.search(pod_ip, worker)
+    assert "0.0.0.0" not in worker
 
 
 def test_every_container_is_non_root_read_only_and_drops_all_capabilities():

@@ -17,7 +17,8 @@ function walk(dir) {
 
 let files;
 try {
-  files = walk(dist);
+  // .br/.gz siblings (scripts/precompress.ts) are other encodings of files already counted.
+  files = walk(dist).filter((f) => !/\.(br|gz)$/.test(f));
 } catch {
   console.error(`bundle-size: ${dist}/ does not exist; run \`npm run build\` first`);
   process.exit(1);

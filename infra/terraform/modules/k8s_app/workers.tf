@@ -115,6 +115,16 @@ resource "kubernetes_deployment_v1" "worker" {
             protocol       = "TCP"
           }
 
+          # The metrics port binds loopback unless told otherwise: bind the pod IP, where the kubelet probes and
+          # Prometheus scrapes (the network policy "worker-and-beat-metrics" limits who may).
+          env {
+            name = "MPLEX_WORKER_METRICS_HOST"
+            value_from {
+              field_ref {
+                field_path = "status.podIP"
+              }
+            }
+          }
           env_from {
             config_map_ref {
               name = kubernetes_config_map_v1.env.metadata[0].name
