@@ -21,6 +21,10 @@ class Proc:
     ready_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    restart: bool = True  # restarted when it dies (an engine whose step loop stopped exits on purpose)
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float | None = None  # set while waiting out a restart backoff
 
 
 def free_port() -> int:
@@ -30,20 +34,56 @@ def free_port() -> int:
 
 
 class Supervisor:
-    """Starts child processes in their own process groups and stops them all, in reverse order."""
+    """Starts child processes in their own process groups, restarts those that die (with a backoff that
+    doubles while a process keeps dying young, like Kubernetes' CrashLoopBackOff), and stops them all, in
+    reverse order."""
 
-    def __init__(self, log_dir: Path):
+    BACKOFF_S = 1.0
+    MAX_BACKOFF_S = 30.0
+    HEALTHY_AFTER_S = 60.0  # a process that lived this long starts again from the shortest backoff
+
+    def __init__(self, log_dir: Path, *, say=print):
         self.log_dir = log_dir
         self.procs: list[Proc] = []
+        self.say = say
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, proc: Proc, timeout: float = 300.0) -> None:
-        log = open(self.log_dir / f"{proc.name}.log", "ab")
-        env = {**os.environ, **proc.env}
-        proc.popen = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._spawn(proc)
         self.procs.append(proc)
         if proc.ready_url:
             self._wait_ready(proc, timeout)
+
+    def _spawn(self, proc: Proc) -> None:
+        log = open(self.log_dir / f"{proc.name}.log", "ab")
+        env = {**os.environ, **proc.env}
+        proc.popen = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc.started_at = time.monotonic()
+        proc.next_start = None
+
+    def tick(self) -> Proc | None:
+        """One pass: schedule restarts of children that died, start those whose backoff is over. Returns a
+        child that died and may not be restarted (the caller stops everything), else None."""
+        now = time.monotonic()
+        for p in self.procs:
+            if p.next_start is not None:
+                if now >= p.next_start:
+                    p.restarts += 1
+                    self.say(f">> restarting {p.name} (restart {p.restarts})")
+                    self._spawn(p)
+                continue
+            code = p.popen.poll() if p.popen is not None else None
+            if code is None:
+                continue
+            if not p.restart:
+                return p
+            young = now - p.started_at < self.HEALTHY_AFTER_S
+            delay = min(self.MAX_BACKOFF_S, self.BACKOFF_S * 2 ** min(p.restarts, 8)) if young else self.BACKOFF_S
+            if not young:
+                p.restarts = 0
+            self.say(f"!! {p.name} exited with code {code}; restarting in {delay:.0f}s (log: {self.log_dir / p.name}.log)")
+            p.next_start = now + delay
+        return None
 
     def _wait_ready(self, proc: Proc, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -59,13 +99,13 @@ class Supervisor:
         raise RuntimeError(f"{proc.name} not ready after {timeout:.0f}s; see {self.log_dir / proc.name}.log")
 
     def watch(self) -> None:
-        """Block until a child dies or we are interrupted."""
+        """Keep the children running until one that may not be restarted dies, or we are interrupted."""
         while True:
-            for p in self.procs:
-                if p.popen.poll() is not None:
-                    print(f"!! {p.name} exited with code {p.popen.returncode}; stopping (log: {self.log_dir / p.name}.log)")
-                    return
-            time.sleep(1)
+            dead = self.tick()
+            if dead is not None:
+                self.say(f"!! {dead.name} exited with code {dead.popen.returncode}; stopping (log: {self.log_dir / dead.name}.log)")
+                return
+            time.sleep(0.5)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -146,7 +186,7 @@ def run_up(home: Path) -> None:
                 sup.start(Proc(f"engine-{i}", mplex_argv("engine", "serve", "--model", str(kit.base_dir),
                                                            "--served-model-name", kit.model_name, "--port", str(port),
                                                            "--engine-id", f"engine-{i}", "--kv-memory-mb", "256"),
-                               ready_url=f"http://127.0.0.1:{port}/ready", env=env))
+                               ready_url=f"http://127.0.0.1:{port}/health", env=env))  # its one open endpoint
                 engines.append(f"http://127.0.0.1:{port}")
             print(">> starting the Celery worker and beat", flush=True)
             worker_port = free_port()
