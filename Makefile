@@ -14,11 +14,12 @@ LITELLM_VENV := .venv-litellm
 LITELLM      := $(LITELLM_VENV)/.litellm-installed
 export MPLEX_HOME ?= $(CURDIR)/.mplex
 
-.PHONY: help install tools model web up test bench clean
+.PHONY: help install tools model web up test fuzz bench clean
 
 help:
 	@echo "make up     - run the platform locally (builds everything it needs first)"
 	@echo "make test   - run the whole test suite"
+	@echo "make fuzz   - the fuzz suites, MPLEX_FUZZ_SCALE (default 20) times longer than in make test, fresh seeds"
 	@echo "make bench  - run the benchmarks; tables on stdout, figures in bench/results/"
 
 $(DEPS): pyproject.toml requirements.lock
@@ -54,7 +55,7 @@ $(LITELLM): requirements-litellm.lock
 
 # The web app (web/dist, served by the gateway at /): npm ci only when the lock changed, build only when sources did.
 WEB_DEPS := web/node_modules/.installed-from-lock
-WEB_SRC  := $(shell find web/src -type f 2>/dev/null) web/index.html web/vite.config.ts web/tsconfig.json web/package.json
+WEB_SRC  := $(shell find web/src -type f 2>/dev/null) web/scripts/precompress.ts web/index.html web/vite.config.ts web/tsconfig.json web/package.json
 
 $(WEB_DEPS): web/package-lock.json
 	@echo ">> installing web dependencies (npm ci)"
@@ -83,6 +84,12 @@ chromium:
 test: model $(TOOLS) web chromium
 	@cd web && npm run --silent test:built
 	@$(PY) -m pytest -q
+
+# The request-path fuzzers (hypothesis over every field, straight to engines and through the gateway) and
+# schemathesis, longer and freshly seeded; every engine must still be serving after every case.
+FUZZ_TESTS := tests/engine/test_fuzz_contract.py tests/gateway/test_fuzz_http.py tests/gateway/test_schemathesis.py
+fuzz: model
+	@MPLEX_FUZZ_SCALE=$${MPLEX_FUZZ_SCALE:-20} $(PY) -m pytest -q -s -p no:cacheprovider $(FUZZ_TESTS)
 
 bench: model $(LITELLM)
 	@$(PY) -m bench.run
