@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field
 
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from services.common.internal_auth import InternalAuthMiddleware
-from services.common.json_route import FastJSONRoute
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
 from services.common.streaming import ClosingStreamingResponse
 from services.common.openai_protocol import (
@@ -126,7 +125,6 @@ def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_ur
         engine.shutdown()
 
     app = FastAPI(title="Multiplex engine", lifespan=lifespan)
-    app.router.route_class = FastJSONRoute  # request bodies parsed with orjson
     app.add_middleware(InternalAuthMiddleware, tokens=engine_tokens)
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     app.state.engine = engine

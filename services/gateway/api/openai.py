@@ -25,7 +25,6 @@ from services.common.errors import (
     ServiceUnavailableError,
 )
 from services.common.ids import new_request_id
-from services.common.json_route import FastJSONRoute
 from services.common.keys import SCOPE_INFERENCE
 from services.common.logging import bind
 from services.common.streaming import ClosingStreamingResponse
@@ -38,7 +37,7 @@ from services.gateway.resolve import ResolvedModel
 from services.gateway.upstream import EngineLost, NoEngineAvailable, StreamResult, UpstreamRefused, open_choice
 
 log = logging.getLogger("mplex.gateway")
-router = APIRouter(route_class=FastJSONRoute)
+router = APIRouter()
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
