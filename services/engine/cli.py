@@ -31,6 +31,10 @@ def serve(
     lora_cpu_kernel: str = typer.Option("auto", help="CPU LoRA kernel: auto (native C when it builds, else torch) | native | torch"),
     cpu_attention: str = typer.Option("auto", help="CPU decode attention: auto (native C when it builds, else torch) | native | torch"),
     log_level: str = "info",
+    scheduling_policy: str = typer.Option("fair", help="fair (tenants share the batch by weight) | fcfs (arrival order)"),
+    interactive_ttft_slo_s: float = typer.Option(2.0, help="Refuse (503 engine_overloaded) interactive requests whose estimated TTFT is over this; 0 = never"),
+    batch_ttft_slo_s: float = typer.Option(600.0, help="The same for the batch class; 0 = never"),
+    batch_max_tokens_under_overload: int = typer.Option(256, help="max_tokens clamp for batch requests under sustained overload; 0 = none"),
     failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
@@ -51,7 +55,10 @@ def serve(
         weight_dtype=weight_dtype,
         device=device,
         cache=CacheConfig(block_size=block_size, memory_bytes=kv_memory_mb * 2**20),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
+                                  policy=scheduling_policy, interactive_ttft_slo_s=interactive_ttft_slo_s or None,
+                                  batch_ttft_slo_s=batch_ttft_slo_s or None,
+                                  batch_max_tokens_under_overload=batch_max_tokens_under_overload or None),
         lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                         cpu_kernel=lora_cpu_kernel),
         engine_id=engine_id,

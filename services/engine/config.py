@@ -180,8 +180,25 @@ class SchedulerConfig:
     # for it (no new sequences join it), so it gets one (no starvation under skewed popularity) while the
     # other slots keep batching.
     lora_starvation_steps: int = 16
+    # "fair": inside a priority class, tenants share the batch by weight (fair_queue.py); "fcfs": arrival order.
+    policy: str = "fair"
+    # Overload (admission.py): a request whose estimated time to first token exceeds its class's budget is
+    # refused at once (503 engine_overloaded + Retry-After) instead of waiting it out; None = never.
+    interactive_ttft_slo_s: float | None = 2.0
+    batch_ttft_slo_s: float | None = 600.0
+    # Under sustained overload (interactive requests have waited, or been refused, within the last
+    # `overload_window_s`), batch-class requests admitted get at most this many new tokens (reported).
+    batch_max_tokens_under_overload: int | None = 256
+    overload_window_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fair", "fcfs"):
+            raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
+        for name in ("interactive_ttft_slo_s", "batch_ttft_slo_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 or None")
+        if self.batch_max_tokens_under_overload is not None and self.batch_max_tokens_under_overload <= 0:
+            raise ConfigError("batch_max_tokens_under_overload must be > 0 or None")
         if self.max_num_seqs <= 0:
             raise ConfigError("max_num_seqs must be > 0")
         if self.max_num_batched_tokens <= 0:

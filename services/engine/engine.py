@@ -1,6 +1,7 @@
 """The engine's step loop: schedule, run, post-process (detokenize, stop, finish, account)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.lora_format import AdapterFormatError
+from services.engine.admission import LoadTracker
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
 from services.engine.kv.block_pool import BlockPool
@@ -49,6 +51,7 @@ class RequestOutput:
     compute_seconds: float
     logprobs: list[TokenLogprob] | None = None
     error: InvalidRequest | None = None  # the request was refused after queueing (e.g. its adapter failed to load)
+    clamped_from: int | None = None  # overload clamped its max_tokens (batch class): what it had asked for
 
 
 @dataclass(slots=True)
@@ -92,6 +95,8 @@ class LLMEngine:
                 cache_dir=config.adapter_cache_dir, wake=self.wake,
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters)
+        self.load = LoadTracker(config.scheduler)  # what SLO-aware admission reads (admission.py)
+        self._finished_seen = 0
         self.last_plan_empty = False
         self._slot_loads_seen = 0
         self.metrics = EngineMetrics(config.model_name)
@@ -122,6 +127,8 @@ class LLMEngine:
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
         adapter: AdapterRef | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> Sequence:
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id", status=409)
@@ -134,7 +141,17 @@ class LLMEngine:
             except AdapterFormatError as exc:
                 raise adapter_error(exc) from None
         seed = params.seed64 if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter)
+        clamped = None
+        clamp = self.config.scheduler.batch_max_tokens_under_overload
+        if priority == Priority.BATCH and clamp is not None and params.max_tokens > clamp and self.load.overloaded():
+            # Sustained overload: batch work gets a shorter budget (reported to the client), so interactive
+            # work gets its seats and blocks back sooner.
+            clamped = params.max_tokens
+            params = dataclasses.replace(params, max_tokens=clamp, min_tokens=min(params.min_tokens, clamp))
+            self.metrics.max_tokens_clamped.inc()
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter,
+                       tenant=tenant, weight=weight)
+        seq.clamped_from = clamped
         self._seqs[request_id] = seq
         self._streams[request_id] = _Stream(
             DecodeStream(self.tokenizer, params.skip_special_tokens), StopMatcher(params.stop)
@@ -195,6 +212,8 @@ class LLMEngine:
             self.metrics.prefix_hit_tokens.inc(hits)
             self._hits_reported += hits
         self.metrics.preemptions.inc(len(plan.preempted))
+        if plan.fair_preempted:
+            self.metrics.fair_preemptions.inc(plan.fair_preempted)
         self.last_plan_empty = plan.is_empty
         if plan.is_empty:
             self._update_gauges()
@@ -206,6 +225,9 @@ class LLMEngine:
             outputs = self._isolate(plan, exc)
         else:
             outputs = self._postprocess(plan, sampled, time.perf_counter() - t0)
+        finished = self.scheduler.num_finished - self._finished_seen
+        self._finished_seen = self.scheduler.num_finished
+        self.load.observe(self.scheduler, time.perf_counter() - t0, finished)
         self._update_gauges()
         return failed + outputs
 
@@ -334,6 +356,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.arrival_time)
+            self.metrics.tenant_ttft(seq.tenant).observe(now - seq.arrival_time)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
@@ -371,6 +394,7 @@ class LLMEngine:
             num_output_tokens=n_out,
             compute_seconds=seq.compute_seconds,
             logprobs=lp,
+            clamped_from=seq.clamped_from,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -386,6 +410,7 @@ class LLMEngine:
         m = self.metrics
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
+        m.set_tenant_waiting({k: s.waiting for k, s in self.scheduler.tenants.states.items()})
         m.kv_used.set(self.kv.pool.num_used)
         if self.adapters is not None:
             a = self.adapters

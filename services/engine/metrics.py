@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MAX_ADAPTER_LABELS = 64
+MAX_TENANT_LABELS = 32
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -59,10 +60,46 @@ class EngineMetrics:
             "request's output handling) or unattributed (the step's requests were failed and state checked)",
             ["model", "where"], registry=r,
         )
+        self.shed = Counter("mplex_engine_shed_total", "Requests refused at arrival: their estimated time to first "
+                            "token was over their class's budget (engine_overloaded)", ["model", "priority"], registry=r)
+        self.fair_preemptions = counter("mplex_engine_fair_preemptions_total",
+                                        "Sequences preempted to seat a tenant under its fair share")
+        self.max_tokens_clamped = counter("mplex_engine_max_tokens_clamped_total",
+                                          "Batch-class requests whose max_tokens overload clamped")
+        self._tenant_waiting = Gauge("mplex_engine_tenant_waiting", "Waiting requests per tenant (bounded labels)",
+                                     ["model", "tenant"], registry=r)
+        self._tenant_ttft = Histogram("mplex_engine_tenant_ttft_seconds", "Arrival to first token per tenant "
+                                      "(bounded labels)", ["model", "tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._tenant_labels: set[str] = set()
+        self._tenant_waiting_set: set[str] = set()
         self.model_name = model_name
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(model=self.model_name, finish_reason=reason).inc()
+
+    def tenant_label(self, tenant: str) -> str:
+        """Tenants are unbounded: the first MAX_TENANT_LABELS seen get a label (their id's first 12
+        characters), the rest count as "other"; requests without a tenant (direct use) as "direct"."""
+        label = tenant[:12] or "direct"
+        if label not in self._tenant_labels:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                return "other"
+            self._tenant_labels.add(label)
+        return label
+
+    def tenant_ttft(self, tenant: str):
+        return self._tenant_ttft.labels(model=self.model_name, tenant=self.tenant_label(tenant))
+
+    def set_tenant_waiting(self, waiting: dict[str, int]) -> None:
+        now: dict[str, int] = {}
+        for tenant, n in waiting.items():
+            label = self.tenant_label(tenant)
+            now[label] = now.get(label, 0) + n
+        for label in self._tenant_waiting_set - now.keys():
+            self._tenant_waiting.labels(model=self.model_name, tenant=label).set(0)
+        for label, n in now.items():
+            self._tenant_waiting.labels(model=self.model_name, tenant=label).set(n)
+        self._tenant_waiting_set = set(now)
 
     def count_adapter(self, name: str, tokens: int) -> None:
         """Per-adapter counters; labels are bounded: past MAX_ADAPTER_LABELS names, the rest count as "other"."""

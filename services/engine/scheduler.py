@@ -1,17 +1,20 @@
 """Iteration-level continuous batching: which sequences run this step and how many tokens each.
 
 Every step spends a token budget: running decodes first (so a long prompt never stalls them), then
-partially prefilled prompts, then new admissions by priority class and arrival. Admission needs free
-KV blocks; when a running sequence cannot grow, the lowest-priority, latest-arrived sequence is
-preempted and later recomputed. The scheduler never touches tensors: its output is a `StepPlan`.
+partially prefilled prompts, then new admissions by priority class and, inside a class, in tenant-fair
+order (fair_queue.py: weighted fair queuing on tokens). Admission needs a seat and free KV blocks; a
+request may take them from a running sequence of a lower class, or -- when its tenant is under its fair
+share of the batch -- of the tenant furthest over its share; when a running sequence cannot grow, the
+victim is chosen the same way. Preempted sequences are recomputed later. The scheduler never touches
+tensors: its output is a `StepPlan`.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.config import SchedulerConfig
+from services.engine.fair_queue import Admission, Tenants, WaitQueue
 from services.engine.kv.manager import KVCacheManager
 from services.engine.sequence import Priority, Sequence, Status
 
@@ -34,6 +37,7 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    fair_preempted: int = 0  # of `preempted`: seats or blocks taken for a tenant under its fair share
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,10 +70,13 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.adapters = adapters
-        self.waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+        self.tenants = Tenants(fair=config.policy == "fair")
+        self.waiting: dict[Priority, WaitQueue] = {p: WaitQueue(self.tenants) for p in Priority}
         self.running: list[Sequence] = []
         self._arrivals = 0
         self.num_preemptions = 0
+        self.num_finished = 0  # sequences that left the running batch (finished or aborted)
+        self.blocked = False
         self.prefix_hit_tokens = 0  # every admission's hit, re-admissions after preemption included
         # The device slot being drained for a request that has waited too long for one (see _admit).
         self.draining_slot: int | None = None
@@ -80,6 +87,7 @@ class Scheduler:
         self._arrivals += 1
         seq.arrival_order = self._arrivals
         seq.status = Status.WAITING
+        self.tenants.arrived(seq)
         self.waiting[seq.priority].append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -87,8 +95,11 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._release_adapter(seq)
+            self.tenants.left(seq, was_running=True)
+            self.num_finished += 1  # a seat freed: SLO admission's estimate of how fast seats free up
         elif seq.status is Status.WAITING:
             self.waiting[seq.priority].remove(seq)
+            self.tenants.left(seq, was_running=False)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.request_id)
@@ -107,97 +118,149 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
-
-        # Decodes before partial prefills: a long prompt must never stall the sequences already streaming.
-        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key))
-        for seq in order:
-            if budget == 0:
+        # Decodes first: a long prompt must never stall the sequences already streaming.
+        decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=lambda s: s.sort_key)
+        for seq in decodes:
+            if self._budget(plan) == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.config.chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
-                continue
-            while seq.status is Status.RUNNING and not self.kv.allocate(seq, num_new):
-                self._preempt(self._pick_victim(), plan)
-                budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-            if seq.status is not Status.RUNNING:
-                continue
-            plan.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-
-        if not plan.preempted:
-            self._admit(plan)
+            if seq.status is Status.RUNNING:  # not preempted earlier in this loop
+                self._run(seq, plan)
+        prefills = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens > 1), key=lambda s: s.sort_key)
+        self._fill(plan, prefills, admit=not plan.preempted)
         # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
         plan.scheduled.sort(key=lambda s: s.lora_slot)
         return plan
 
-    def _admit(self, plan: StepPlan) -> None:
-        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+    def _budget(self, plan: StepPlan) -> int:
+        return self.config.max_num_batched_tokens - plan.num_batched_tokens
+
+    def _run(self, seq: Sequence, plan: StepPlan) -> None:
+        """Schedule a running sequence's next tokens (a decode or a prefill chunk), preempting to make room."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(plan))
+        if not self.config.chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
+            return
+        while seq.status is Status.RUNNING and not self.kv.allocate(seq, num_new):
+            self._preempt(self._pick_victim(), plan)
+        if seq.status is Status.RUNNING:
+            plan.scheduled.append(self._scheduled(seq, min(num_new, self._budget(plan))))
+
+    def _fill(self, plan: StepPlan, prefills: list[Sequence], admit: bool) -> None:
+        """The budget left after decodes, class by class: the running sequences' prefill chunks and new
+        admissions, interleaved in tenant-fair order (the tenant whose clock is furthest behind goes next),
+        so that one tenant's hundred long prompts do not hold another tenant's first token for many steps."""
+        self.blocked = False  # set when a request that could run waits for seats or KV blocks
         if self.draining_slot is not None and not any(s.lora_slot == self.draining_slot for s in self.running):
             self.draining_slot = None  # drained: it is idle now, and the oldest waiting requests get it first
+        for priority in Priority:
+            pending: dict[str, list[Sequence]] = {}
+            for seq in prefills:
+                if seq.priority == priority:
+                    pending.setdefault(self.tenants.key(seq), []).append(seq)
+            for q in pending.values():
+                q.reverse()  # pop() from the end = oldest first
+            walk = self.waiting[priority].admission() if admit and not self.blocked else None
+            while self._budget(plan) > 0:
+                candidate = walk.peek() if walk is not None else None
+                states = self.tenants.states
+                tenant = min((k for k, q in pending.items() if q), key=lambda k: states[k].vtime, default=None)
+                if tenant is not None and (candidate is None or
+                                           states[tenant].vtime <= states[self.tenants.key(candidate)].vtime):
+                    seq = pending[tenant].pop()
+                    if seq.status is Status.RUNNING:
+                        self._run(seq, plan)
+                    continue
+                if candidate is None:
+                    break
+                if not self._try_admit(candidate, walk, plan):
+                    self.blocked = True  # lower classes admit nothing while a higher class waits on seats or KV
+                    walk = None
+            if walk is not None and len(self.running) >= self.config.max_num_seqs and walk.peek() is not None:
+                self.blocked = True
+
+    def _try_admit(self, seq: Sequence, walk: Admission, plan: StepPlan) -> bool:
+        """Admit `seq` (the walk's candidate) with its first prefill chunk, or skip it for this pass (its
+        adapter cannot be resident now). False: it waits for seats or KV blocks nobody may give up for it."""
         # Anti-starvation without stalling the batch: once a request has waited lora_starvation_steps for a
         # slot (its adapter loaded), one pinned slot -- the one whose sequences should finish first -- takes
         # no new sequences until it is idle; everyone else keeps batching. The drained slot frees in at most
         # its sequences' remaining max_tokens, and the queue is scanned oldest first, so the older waiting
         # requests get it before any newer one.
-        for priority in Priority:
-            queue = self.waiting[priority]
-            skipped: list[Sequence] = []
-            blocked = False
-            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = queue[0]
-                slot = -1
-                # The slot first: with more distinct adapters queued than slots, most of the queue is
-                # skipped here every step, and that must stay cheap (no prefix lookup).
-                if seq.adapter is not None and self.adapters is not None:
-                    resident = self.adapters.slot_of(seq.adapter.content_id)
-                    draining = resident is not None and resident == self.draining_slot
-                    acquired = None if draining else self.adapters.acquire(seq)
-                    if acquired is None:  # its adapter cannot be resident now: let others through
-                        if resident is None and self.adapters.is_host_resident(seq.adapter.content_id):
-                            seq.slot_wait_steps += 1
-                            if seq.slot_wait_steps >= self.config.lora_starvation_steps and self.draining_slot is None:
-                                self.draining_slot = self._slot_to_drain()
-                        skipped.append(queue.popleft())
-                        continue
-                    slot = acquired
-                hit = self.kv.match_prefix(seq)
-                remaining = seq.num_tokens - hit.num_tokens
-                num_new = min(remaining, budget)
-                if not self.config.chunked_prefill and num_new < remaining:
-                    if slot >= 0:
-                        self.adapters.release(seq)
-                    blocked = True
-                    break
-                if not self.kv.allocate(seq, num_new, hit):
-                    victim = self._pick_victim() if self.running else None
-                    if victim is not None and victim.priority > seq.priority:
-                        # A higher class waits on KV: recompute a lower-class sequence later instead.
-                        if slot >= 0:
-                            self.adapters.release(seq)
-                        self._preempt(victim, plan)
-                        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-                        continue
-                    if slot >= 0:
-                        self.adapters.release(seq)
-                    blocked = True
-                    break
-                queue.popleft()
-                seq.lora_slot = slot
-                seq.slot_wait_steps = 0
-                seq.num_computed_tokens = hit.num_tokens
-                self.prefix_hit_tokens += hit.num_tokens
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = hit.num_tokens
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                plan.scheduled.append(self._scheduled(seq, num_new))
-                budget -= num_new
-            queue.extendleft(reversed(skipped))
-            if blocked or len(self.running) >= self.config.max_num_seqs or budget <= 0:
-                break  # lower classes wait while a higher class is blocked on KV or seats
+        if len(self.running) >= self.config.max_num_seqs:
+            victim = self._victim_for(seq)
+            if victim is None:
+                return False
+            self._preempt(victim, plan, walk, fair=victim.priority == seq.priority)
+            return True
+        slot = -1
+        # The slot first: with more distinct adapters queued than slots, most of the queue is skipped here
+        # every step, and that must stay cheap (no prefix lookup).
+        if seq.adapter is not None and self.adapters is not None:
+            resident = self.adapters.slot_of(seq.adapter.content_id)
+            draining = resident is not None and resident == self.draining_slot
+            acquired = None if draining else self.adapters.acquire(seq)
+            if acquired is None:  # its adapter cannot be resident now: let others through
+                if resident is None and self.adapters.is_host_resident(seq.adapter.content_id):
+                    seq.slot_wait_steps += 1
+                    if seq.slot_wait_steps >= self.config.lora_starvation_steps and self.draining_slot is None:
+                        self.draining_slot = self._slot_to_drain()
+                walk.skip(seq)
+                return True
+            slot = acquired
+        hit = self.kv.match_prefix(seq)
+        remaining = seq.num_tokens - hit.num_tokens
+        num_new = min(remaining, self._budget(plan))
+        if not self.config.chunked_prefill and num_new < remaining:
+            if slot >= 0:
+                self.adapters.release(seq)
+            return False
+        if not self.kv.allocate(seq, num_new, hit):
+            if slot >= 0:
+                self.adapters.release(seq)
+            victim = self._victim_for(seq) if self.running else None
+            if victim is None:
+                return False
+            # Blocks for a higher class, or for a tenant under its share: recompute the victim later.
+            self._preempt(victim, plan, walk, fair=victim.priority == seq.priority)
+            return True
+        walk.take(seq)
+        seq.lora_slot = slot
+        seq.slot_wait_steps = 0
+        seq.num_computed_tokens = hit.num_tokens
+        self.prefix_hit_tokens += hit.num_tokens
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = hit.num_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self.tenants.admitted(seq)
+        plan.scheduled.append(self._scheduled(seq, num_new))
+        return True
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """A running sequence whose seat and blocks `seq` may take: the latest arrival of a lower class; else,
+        when `seq`'s tenant is under its fair share of the batch, the latest arrival (same class) of the
+        tenant furthest over its share -- one that keeps at least its share after losing it, so two
+        tenants never take seats back and forth."""
+        lower = [s for s in self.running if s.priority > seq.priority]
+        if lower:
+            return max(lower, key=lambda s: s.sort_key)
+        if not self.tenants.fair:
+            return None
+        cap = self.config.max_num_seqs
+        mine = self.tenants.state(seq)
+        if mine.running + 1 > self.tenants.share(seq, cap):
+            return None
+        ratios = self.tenants.over_share(cap)
+        key = self.tenants.key(seq)
+        candidates = [s for s in self.running if s.priority == seq.priority and self.tenants.key(s) != key]
+        best = None
+        for s in candidates:
+            st = self.tenants.state(s)
+            if st.running < self.tenants.share(s, cap) + 1:
+                continue  # it would fall under its own share
+            rank = (ratios.get(self.tenants.key(s), 0.0), s.sort_key)
+            if best is None or rank > best[0]:
+                best = (rank, s)
+        return best[1] if best else None
 
     def _slot_to_drain(self) -> int | None:
         """The pinned slot expected to free first: the least, over slots, of the most tokens any of its
@@ -210,6 +273,7 @@ class Scheduler:
         return min(longest, key=longest.__getitem__) if longest else None
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        self.tenants.charge(seq, num_new)  # the tenant's virtual clock: tokens computed for it / weight
         return ScheduledSeq(
             seq=seq,
             start=seq.num_computed_tokens,
@@ -219,11 +283,18 @@ class Scheduler:
         )
 
     def _pick_victim(self) -> Sequence:
-        return max(self.running, key=lambda s: s.sort_key)
+        """The running sequence to preempt when one cannot grow: the lowest class; inside it, the tenant
+        furthest over its fair share (all alike under FCFS); its latest arrival."""
+        worst = max(s.priority for s in self.running)
+        ratios = self.tenants.over_share(self.config.max_num_seqs) if self.tenants.fair else {}
+        return max((s for s in self.running if s.priority == worst),
+                   key=lambda s: (ratios.get(self.tenants.key(s), 0.0), s.arrival_order))
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Free a running sequence's blocks; it goes back to the front of its class and is recomputed."""
+    def _preempt(self, seq: Sequence, plan: StepPlan, walk: Admission | None = None, fair: bool = False) -> None:
+        """Free a running sequence's blocks; it goes back to the front of its tenant's queue in its class
+        and is recomputed. `walk`: the admission pass in progress, which must not take it back at once."""
         self.running.remove(seq)
+        self.tenants.preempted(seq)
         self._release_adapter(seq)
         self.kv.free(seq.request_id)
         seq.status = Status.WAITING
@@ -231,7 +302,10 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting[seq.priority].appendleft(seq)
+        if walk is not None and walk.queue is self.waiting[seq.priority]:
+            walk.skip(seq)
         plan.preempted.append(seq)
+        plan.fair_preempted += fair
         plan.scheduled[:] = [s for s in plan.scheduled if s.seq is not seq]
 
     def _release_adapter(self, seq: Sequence) -> None:
