@@ -69,6 +69,17 @@ async def _load(url: str, headers: dict, concurrency: int, n: int) -> list[float
     return lat
 
 
+def stop_procs(procs: list[subprocess.Popen]) -> None:
+    """Terminate the benchmark's processes, last started first; kill what does not exit in 20 s."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def _seed_key(database_url: str) -> str:
     from sqlalchemy.orm import Session
 
@@ -161,13 +172,7 @@ def main() -> None:
                     results.setdefault(name, {})[f"c{conc}"] = {"p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99), "n": len(lat)}
                     print(f"  {name} c={conc}: p50 {1000 * pct(lat, 50):.2f} ms  p99 {1000 * pct(lat, 99):.2f} ms", flush=True)
         finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_procs(procs)
     rows, added = [], {}
     for name in results:
         if name == "direct":

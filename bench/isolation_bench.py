@@ -42,7 +42,7 @@ import httpx
 import orjson
 
 from bench.common import Target, pct, table, write_results
-from bench.gateway_bench import _free_port, _seed_key, _wait
+from bench.gateway_bench import _free_port, _seed_key, _wait, stop_procs
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = int(os.environ.get("MPLEX_BENCH_ISOLATION_ROUNDS", "3"))
@@ -281,19 +281,9 @@ def _start_stack(urls, settings, kit, logs: Path) -> tuple[list[subprocess.Popen
                 raise RuntimeError("the engine never registered")
             time.sleep(0.2)
     except BaseException:
-        _stop(procs)
+        stop_procs(procs)
         raise
     return procs, f"http://127.0.0.1:{gw_port}", key
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in reversed(procs):
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 @dataclass
@@ -449,7 +439,7 @@ def main() -> None:
             phases, attack_runs = run_phases(base, key, kit.model_name, {"gateway": procs[1].pid, "engine": procs[0].pid})
             print(f"  measured in {time.time() - t0:.0f}s (logs: {logs})", flush=True)
         finally:
-            _stop(procs)
+            stop_procs(procs)
     figures, targets = summarize(phases, attack_runs)
     write_results("isolation", figures, targets)
 

@@ -198,7 +198,7 @@ class Liveness:
     def serves(self, client: httpx.Client) -> None:
         for url in self.engines:
             r = client.post(f"{url}/v1/completions", headers=self.auth, timeout=60,
-                            json={"model": self.model, "prompt": "Hello", "max_tokens": 2})
+                            json={"model": self.model, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 

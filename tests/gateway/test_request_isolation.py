@@ -35,7 +35,7 @@ def _engines_serve(stack, model: str) -> None:
     for e in stack.engines:
         assert httpx.get(f"{e.url}/health").json() == {"status": "ok"}
         r = httpx.post(f"{e.url}/v1/completions", headers=auth, timeout=60,
-                       json={"model": model, "prompt": "Hello", "max_tokens": 2})
+                       json={"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
