@@ -434,6 +434,8 @@ class LLMEngine:
             s.request_id for q in self.scheduler.waiting.values() for s in q
         }
         assert live == set(self._seqs), (live, set(self._seqs))
+        self.scheduler.tenants.check_integrity(self.scheduler.running,
+                                               (s for q in self.scheduler.waiting.values() for s in q))
         for seq in self.scheduler.running:
             table = self.kv.block_table(seq.request_id)
             assert len(table) * self.kv.block_size >= seq.num_computed_tokens
