@@ -183,6 +183,26 @@ def test_a_shared_block_evicted_while_swapped_out_is_recomputed_from_there():
     kv.check_integrity()
 
 
+def test_a_restore_never_evicts_a_cached_block_it_is_about_to_share():
+    """Regression: allocating the blocks that come back from the host must not evict an idle cached
+    block the same restore shares (it was listed twice in the table)."""
+    kv = make_kv(num_blocks=4, block_size=4, host_blocks=4)
+    run_prefill(kv, v := Req("v", list(range(8)) + [50]))  # v0, v1 cached; v2 partial
+    v0, v1, _ = kv.block_table("v")
+    kv.swap_out(v)
+    kv.take_copies()
+    kv.pool.acquire(v1)  # keep v1 while a filler evicts the rest, v0 included ...
+    run_prefill(kv, filler := Req("filler", list(range(100, 112))))
+    kv.pool.release([v1])  # ... so v1 is now the least recently freed: the first a new block would take
+    kv.free(filler.request_id)
+    hit = kv.restore(v)
+    assert hit.block_ids == (FROM_HOST, v1, FROM_HOST)
+    assert kv.allocate(v, 1, hit)
+    table = kv.block_table("v")
+    assert table[1] == v1 and len(set(table)) == 3
+    kv.check_integrity()
+
+
 def test_free_of_a_swapped_request_returns_its_host_blocks():
     kv = make_kv(block_size=4, host_blocks=4)
     run_prefill(kv, r := Req("r", list(range(11))))

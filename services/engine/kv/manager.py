@@ -93,6 +93,8 @@ class KVCacheManager:
         self._swapped: dict[str, Swapped] = {}
         self._copies: list[BlockCopy] = []  # queued for the step plan being built (take_copies)
         self.num_cow_copies = 0
+        self.num_swap_shared_blocks = 0  # blocks a swap-out left on the device (shared, cached)
+        self.num_restore_misses = 0  # restores cut short: a left-behind block had left the cache
 
     # -- queries -------------------------------------------------------------------------------
     def block_table(self, request_id: str) -> list[int]:
@@ -191,17 +193,18 @@ class KVCacheManager:
     def _start(self, req: KVRequest, hit: PrefixHit) -> list[int]:
         """The first table of a request: shared blocks acquired, swapped-out blocks copied back."""
         rid = req.request_id
-        table = []
-        for j, b in enumerate(hit.block_ids):
-            if b == FROM_HOST:
-                (b,) = self.pool.allocate(1)
-                self._copies.append(BlockCopy(CopyKind.SWAP_IN, hit.host_ids[j], b))
-            else:
+        table = list(hit.block_ids)
+        for b in table:  # shared blocks first: allocating could otherwise evict an idle one of them
+            if b != FROM_HOST:
                 self.pool.acquire(b)
-            table.append(b)
+        for j, b in enumerate(table):
+            if b == FROM_HOST:
+                (table[j],) = self.pool.allocate(1)
+                self._copies.append(BlockCopy(CopyKind.SWAP_IN, hit.host_ids[j], table[j]))
         swapped = self._swapped.pop(rid, None)
         if swapped is not None:  # its host blocks are free once the copies above have read them
             self.host.release([e.host for e in swapped.blocks if e.host is not None])
+            self.num_restore_misses += hit.kind == "swap" and len(hit.block_ids) < len(swapped.blocks)
         full = hit.num_tokens // self.block_size
         if hit.kind == "cache":
             self._num_committed[rid] = len(table)
@@ -289,6 +292,7 @@ class KVCacheManager:
             cached = (block.hash, block.key) if block.hash is not None else None
             if self._stays_on_device(table[j]):
                 entries.append(SwappedBlock(None, cached))
+                self.num_swap_shared_blocks += 1
             else:
                 host = self.host.allocate()
                 self._copies.append(BlockCopy(CopyKind.SWAP_OUT, table[j], host))
@@ -304,8 +308,12 @@ class KVCacheManager:
         swapped = self._swapped[req.request_id]
         ids: list[int] = []
         hosts: list[int] = []
-        for entry in swapped.blocks:
-            cached = self.pool.lookup(*entry.cached) if entry.cached is not None else None
+        full = swapped.num_tokens // self.block_size
+        keys = self._block_hashes(req, full) if self.enable_prefix_caching else []
+        for j, entry in enumerate(swapped.blocks):
+            # A full block is looked up by its key even if it was not cached itself (an identical block
+            # was): whatever holds the same tokens' KV needs no copy.
+            cached = self.pool.lookup(*keys[j]) if j < full and keys else None
             if cached is not None:
                 ids.append(cached)
                 hosts.append(-1)
