@@ -156,6 +156,10 @@ class CacheConfig:
     # device pool, at most SWAP_SPACE_AUTO_MAX bytes (host pages are touched only when used); 0 = off
     # (preemption always recomputes).
     swap_space_bytes: int | None = None
+    # How a preempted sequence gives back its KV: "auto" = swap or recompute, whichever the running cost
+    # estimates say is cheaper (preemption.py); "swap" = swap whenever the host tier has room;
+    # "recompute" = always recompute (as with no host tier). Forcing is for tests and benchmarks.
+    preemption_mode: str = "auto"
     # Requests with the same prompt and cache extra (n > 1 choices, identical concurrent prompts) fork
     # one running request's prompt blocks copy-on-write instead of each computing them (forks.py).
     enable_prompt_sharing: bool = True
@@ -169,6 +173,8 @@ class CacheConfig:
             raise ConfigError("memory_bytes must be > 0")
         if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
             raise ConfigError("swap_space_bytes must be >= 0 (0 = no host tier)")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
 
     def resolve_num_host_blocks(self, block_bytes: int, num_device_blocks: int) -> int:
         if self.swap_space_bytes is None:

@@ -89,7 +89,7 @@ class LLMEngine:
                                  HostBlockPool(num_host_blocks) if num_host_blocks else None)
         # Running estimates of what swapping and recomputing cost; the copy bandwidth starts from a
         # measurement, the prefill cost from the first steps.
-        self.preemption = PreemptionCostModel(self.runner.block_bytes)
+        self.preemption = PreemptionCostModel(self.runner.block_bytes, config.cache.preemption_mode)
         if num_host_blocks:
             self.preemption.observe_copy(*self.runner.measure_copy_bandwidth())
         self.wake = threading.Event()  # set by anything that may make a blocked step loop runnable

@@ -47,6 +47,7 @@ class Decision:
 @dataclass(slots=True)
 class PreemptionCostModel:
     block_bytes: int  # bytes of one block's KV state (every tensor of the runner's kv_block_tensors)
+    mode: str = "auto"  # auto | swap | recompute (CacheConfig.preemption_mode)
     copy: RunningMean = field(default_factory=RunningMean)  # seconds per byte, host <-> device
     prefill: RunningMean = field(default_factory=RunningMean)  # seconds per token of prefill-bearing steps
     decisions: dict[PreemptKind, int] = field(default_factory=lambda: {k: 0 for k in PreemptKind})
@@ -84,7 +85,11 @@ class PreemptionCostModel:
 
     def choose(self, est: SwapEstimate) -> PreemptKind:
         swap, recompute = self.swap_seconds(est), self.recompute_seconds(est)
-        if not est.host_room or est.recompute_tokens == 0 or swap is None:
+        if not est.host_room or est.recompute_tokens == 0 or self.mode == "recompute":
+            kind = PreemptKind.RECOMPUTE
+        elif self.mode == "swap":
+            kind = PreemptKind.SWAP
+        elif swap is None:
             kind = PreemptKind.RECOMPUTE
         elif recompute is None:  # no prefill measured yet: a copy of a token's KV is far cheaper than its forward
             kind = PreemptKind.SWAP
