@@ -36,6 +36,8 @@ class EngineMetrics:
             "mplex_engine_preemptions_total", "Sequences preempted, by kind: swap (KV to the host tier and back) "
             "or recompute (KV freed, computed again)", ["model", "kind"], registry=r,
         )
+        for kind in ("swap", "recompute"):  # exported from the start, as before the kind label
+            self._preemptions.labels(model=model_name, kind=kind)
         self.swap_out_blocks = counter("mplex_engine_kv_swap_out_blocks_total", "KV blocks copied to the host tier")
         self.swap_in_blocks = counter("mplex_engine_kv_swap_in_blocks_total", "KV blocks copied back from the host tier")
         self.swap_out_bytes = counter("mplex_engine_kv_swap_out_bytes_total", "Bytes of KV copied to the host tier")

@@ -223,7 +223,7 @@ class Scheduler:
                 seq.lora_slot = slot
                 seq.slot_wait_steps = 0
                 seq.num_computed_tokens = hit.num_tokens
-                self._count_start(seq, hit)
+                self._count_start(seq, hit, source)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 plan.scheduled.append(self._scheduled(seq, num_new))
@@ -295,16 +295,21 @@ class Scheduler:
             return self.kv.restore(seq)
         return self.kv.match_prefix(seq)
 
-    def _count_start(self, seq: Sequence, hit: PrefixHit) -> None:
+    def _count_start(self, seq: Sequence, hit: PrefixHit, source: Sequence | None) -> None:
         if hit.kind == "swap":
             return  # its own KV coming back: neither a prefix hit nor cached tokens
         if hit.kind == "fork":
             self.num_forks += 1
             self.fork_tokens += hit.num_tokens
+            # cached_tokens is billed at the cached price, and the gateway bills an n > 1 request's prompt
+            # once, from whichever choice it sees first: a fork reports what its source got from the prefix
+            # cache, so the bill does not depend on which choice computed the prompt.
+            cached = source.num_cached_tokens or 0
         else:
             self.prefix_hit_tokens += hit.num_tokens
-        if seq.num_cached_tokens is None:  # tokens it did not compute itself, at its first admission
-            seq.num_cached_tokens = hit.num_tokens
+            cached = hit.num_tokens
+        if seq.num_cached_tokens is None:  # at its first admission
+            seq.num_cached_tokens = cached
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.adapters is not None:

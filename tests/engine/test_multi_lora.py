@@ -144,6 +144,11 @@ def test_swapped_out_adapter_sequences_come_back_identical(demo_kit, workload, r
     need = max(len(p) + MAX_NEW for p in workload)
     engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
                          num_blocks=need // 4 + 30, preemption_mode="swap")
+    # Swapped sequences come back by restore, not by a prefix hit, and the workload's one repeated
+    # (prompt, adapter) pair forks: a warm-up under that adapter makes the prefix hits deliberate.
+    adapter, prompt = workload[0]
+    run_all(engine, [{"id": "warm", "prompt": prompt, "params": SamplingParams(max_tokens=2, temperature=0),
+                      "adapter": refs_of[adapter]}])
     swaps = record_swaps(engine)
     _check("lora-swap", engine, workload, refs_of, peft_refs)
     by_id = {f"r{i}": a for i, (a, _) in enumerate(workload)}

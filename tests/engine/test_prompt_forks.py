@@ -90,6 +90,17 @@ def test_greedy_choices_fork_one_prompt_match_the_oracle_and_hold_fewer_blocks(d
     assert shared_engine.stats.tokens < alone_engine.stats.tokens
 
 
+def test_forks_report_their_sources_cached_tokens_not_the_shared_prompt(demo_kit, prompts):
+    """cached_tokens is billed at the cached price: a fork's shared prompt was computed for the request
+    (or its twin), so each choice reports what the prefix cache gave, as without sharing."""
+    engine = make_engine(demo_kit.base_dir, block_size=8)
+    run_all(engine, [{"id": "warm", "prompt": prompts[0][:40], "params": GREEDY}])
+    seqs = [engine.add_request(f"c{k}", prompts[0], GREEDY.with_seed_offset(k)) for k in range(3)]
+    run_all(engine, [])
+    assert engine.scheduler.num_forks == 2
+    assert [s.num_cached_tokens for s in seqs] == [40, 40, 40]  # the warm-up prompt: 5 full blocks of 8
+
+
 def test_seeded_choices_sample_the_same_tokens_with_and_without_sharing(demo_kit, prompts):
     seeded = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     shared_engine = make_engine(demo_kit.base_dir, block_size=8)
