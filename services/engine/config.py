@@ -141,6 +141,9 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
 
 
+SWAP_SPACE_AUTO_MAX = 4 * 2**30  # vLLM's default swap space per GPU
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache: fixed-size blocks; capacity from `num_blocks` or from a memory budget."""
@@ -149,6 +152,17 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
+    # The host tier preempted sequences are swapped to (kv/host_pool.py): None = as many blocks as the
+    # device pool, at most SWAP_SPACE_AUTO_MAX bytes (host pages are touched only when used); 0 = off
+    # (preemption always recomputes).
+    swap_space_bytes: int | None = None
+    # How a preempted sequence gives back its KV: "auto" = swap or recompute, whichever the running cost
+    # estimates say is cheaper (preemption.py); "swap" = swap whenever the host tier has room;
+    # "recompute" = always recompute (as with no host tier). Forcing is for tests and benchmarks.
+    preemption_mode: str = "auto"
+    # Requests with the same prompt and cache extra (n > 1 choices, identical concurrent prompts) fork
+    # one running request's prompt blocks copy-on-write instead of each computing them (forks.py).
+    enable_prompt_sharing: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -157,6 +171,15 @@ class CacheConfig:
             raise ConfigError("num_blocks must be >= 2")
         if self.memory_bytes <= 0:
             raise ConfigError("memory_bytes must be > 0")
+        if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
+            raise ConfigError("swap_space_bytes must be >= 0 (0 = no host tier)")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+
+    def resolve_num_host_blocks(self, block_bytes: int, num_device_blocks: int) -> int:
+        if self.swap_space_bytes is None:
+            return min(num_device_blocks, SWAP_SPACE_AUTO_MAX // block_bytes)
+        return self.swap_space_bytes // block_bytes
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
         if self.num_blocks is not None:

@@ -17,13 +17,15 @@ from services.engine.admission import LoadTracker
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
 from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.host_pool import HostBlockPool
 from services.engine.kv.manager import KVCacheManager
 from services.engine.metrics import EngineMetrics
 from services.engine.model.loader import load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.preemption import PreemptionCostModel, PreemptKind
 from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import Scheduler, StepPlan
-from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence
+from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence, Status
 from services.common.wire import RequestFailed, check_prompt_ids
 
 log = logging.getLogger("mplex.engine")
@@ -82,9 +84,17 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
-        self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids,
                                   attention_kernel=_attention_kernel(config, mcfg, block_size))
+        num_host_blocks = config.cache.resolve_num_host_blocks(self.runner.block_bytes, num_blocks)
+        self.runner.allocate_host_blocks(num_host_blocks)
+        self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching,
+                                 HostBlockPool(num_host_blocks) if num_host_blocks else None)
+        # Running estimates of what swapping and recomputing cost; the copy bandwidth starts from a
+        # measurement, the prefill cost from the first steps.
+        self.preemption = PreemptionCostModel(self.runner.block_bytes, config.cache.preemption_mode)
+        if num_host_blocks:
+            self.preemption.observe_copy(*self.runner.measure_copy_bandwidth())
         self.wake = threading.Event()  # set by anything that may make a blocked step loop runnable
         self.adapters = None
         if config.lora.enabled:
@@ -94,13 +104,16 @@ class LLMEngine:
                 mcfg, config.lora, dtype=config.torch_dtype, device=config.device,
                 cache_dir=config.adapter_cache_dir, wake=self.wake,
             )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters,
+                                   preemption=self.preemption, share_prompts=config.cache.enable_prompt_sharing)
+        self._forks_reported = 0
         self.load = LoadTracker(config.scheduler)  # what SLO-aware admission reads (admission.py)
         self._finished_seen = 0
         self.last_plan_empty = False
         self._slot_loads_seen = 0
         self.metrics = EngineMetrics(config.model_name)
         self.metrics.kv_total.set(num_blocks)
+        self.metrics.host_blocks_total.set(num_host_blocks)
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
@@ -109,10 +122,10 @@ class LLMEngine:
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
-            "(%.1f MiB) max_model_len=%d attention=%s lora=%s",
+            "(%.1f MiB) host tier=%d blocks (%.1f MiB) max_model_len=%d attention=%s lora=%s",
             config.model_name, weights / 2**20, "fp8" if config.weight_dtype == "fp8" else config.dtype,
             weights / (2 * params), 2 * params / 2**20, num_blocks, block_size, self.runner.kv_cache_bytes / 2**20,
-            self.max_model_len, "sdpa" if self.runner.attention_kernel is None else "native decode + sdpa prefill",
+            num_host_blocks, num_host_blocks * self.runner.block_bytes / 2**20, self.max_model_len, "sdpa" if self.runner.attention_kernel is None else "native decode + sdpa prefill",
             "off" if self.adapters is None else
             f"{config.lora.max_loras} slots ({self.adapters.cpu_kernel or 'triton'} kernel)",
         )
@@ -211,9 +224,16 @@ class LLMEngine:
         if hits:
             self.metrics.prefix_hit_tokens.inc(hits)
             self._hits_reported += hits
-        self.metrics.preemptions.inc(len(plan.preempted))
+        self.metrics.count_preemptions(PreemptKind.SWAP.value, len(plan.swapped_out))
+        self.metrics.count_preemptions(PreemptKind.RECOMPUTE.value, len(plan.preempted) - len(plan.swapped_out))
         if plan.fair_preempted:
             self.metrics.fair_preemptions.inc(plan.fair_preempted)
+        forks = self.scheduler.num_forks - self._forks_reported
+        if forks:
+            self.metrics.forks.inc(forks)
+            self._forks_reported += forks
+        if plan.block_copies:  # also when nothing runs: a sequence that preempted itself is swapped out
+            self._copy_blocks(plan)
         self.last_plan_empty = plan.is_empty
         if plan.is_empty:
             self._update_gauges()
@@ -224,12 +244,36 @@ class LLMEngine:
         except Exception as exc:
             outputs = self._isolate(plan, exc)
         else:
-            outputs = self._postprocess(plan, sampled, time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            prefill = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+            self.preemption.observe_step(prefill, plan.num_batched_tokens, elapsed)
+            outputs = self._postprocess(plan, sampled, elapsed)
         finished = self.scheduler.num_finished - self._finished_seen
         self._finished_seen = self.scheduler.num_finished
         self.load.observe(self.scheduler, time.perf_counter() - t0, finished)
         self._update_gauges()
         return failed + outputs
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """The step's swaps and copy-on-write copies, before its forward. They belong to no one request:
+        if they fail, the error goes to `recover` (which fails the running requests), and the sequences
+        swapped out by this step are recomputed instead of being copied back from host blocks that may
+        hold nothing."""
+        try:
+            stats = self.runner.copy_blocks(plan.block_copies)
+        except Exception:
+            for seq in plan.swapped_out:
+                if seq.status is Status.WAITING:
+                    self.kv.free(seq.request_id)
+            raise
+        m = self.metrics
+        m.swap_out_blocks.inc(stats.swap_out_blocks)
+        m.swap_in_blocks.inc(stats.swap_in_blocks)
+        m.swap_out_bytes.inc(stats.swap_out_blocks * self.runner.block_bytes)
+        m.swap_in_bytes.inc(stats.swap_in_blocks * self.runner.block_bytes)
+        m.swap_seconds.inc(stats.swap_seconds)
+        m.cow_copies.inc(stats.cow_blocks)
+        self.preemption.observe_copy(stats.swap_bytes, stats.swap_seconds)
 
     def _execute(self, plan: StepPlan) -> SamplerOutput | None:
         if self._failpoints:
@@ -412,6 +456,12 @@ class LLMEngine:
         m.waiting.set(self.scheduler.num_waiting)
         m.set_tenant_waiting({k: s.waiting for k, s in self.scheduler.tenants.states.items()})
         m.kv_used.set(self.kv.pool.num_used)
+        if self.kv.host is not None:
+            m.host_blocks_used.set(self.kv.host.num_used)
+        if (bw := self.preemption.copy_bytes_per_second) is not None:
+            m.copy_bandwidth.set(bw)
+        if (per_token := self.preemption.prefill_seconds_per_token) is not None:
+            m.prefill_token_seconds.set(per_token)
         if self.adapters is not None:
             a = self.adapters
             m.lora_slots_used.set(a.num_slots_used)
@@ -439,8 +489,16 @@ class LLMEngine:
         for seq in self.scheduler.running:
             table = self.kv.block_table(seq.request_id)
             assert len(table) * self.kv.block_size >= seq.num_computed_tokens
+            assert not self.kv.is_swapped(seq.request_id)
+        for seq in itertools.chain.from_iterable(self.scheduler.waiting.values()):
+            # A waiting sequence pins no device memory: a swapped-out one holds host blocks only.
+            assert not self.kv.block_table(seq.request_id), f"waiting {seq.request_id} holds device blocks"
+            assert seq.num_computed_tokens == 0
+        waiting = {s.request_id for q in self.scheduler.waiting.values() for s in q}
+        assert self.kv.swapped_request_ids <= waiting, "host blocks held for a request that is not waiting"
         if not self._seqs:
             assert self.kv.pool.num_used == 0, f"{self.kv.pool.num_used} KV blocks leaked"
+            assert self.kv.host is None or self.kv.host.num_used == 0, f"{self.kv.host.num_used} host blocks leaked"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion in one continuous batch (offline use: tests and benchmarks)."""

@@ -33,7 +33,24 @@ class EngineMetrics:
         self.prompt_tokens = counter("mplex_engine_prompt_tokens_total", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("mplex_engine_generation_tokens_total", "Generated tokens")
         self.prefix_hit_tokens = counter("mplex_engine_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache")
-        self.preemptions = counter("mplex_engine_preemptions_total", "Sequences preempted for recompute")
+        self._preemptions = Counter(
+            "mplex_engine_preemptions_total", "Sequences preempted, by kind: swap (KV to the host tier and back) "
+            "or recompute (KV freed, computed again)", ["model", "kind"], registry=r,
+        )
+        for kind in ("swap", "recompute"):  # exported from the start, as before the kind label
+            self._preemptions.labels(model=model_name, kind=kind)
+        self.swap_out_blocks = counter("mplex_engine_kv_swap_out_blocks_total", "KV blocks copied to the host tier")
+        self.swap_in_blocks = counter("mplex_engine_kv_swap_in_blocks_total", "KV blocks copied back from the host tier")
+        self.swap_out_bytes = counter("mplex_engine_kv_swap_out_bytes_total", "Bytes of KV copied to the host tier")
+        self.swap_in_bytes = counter("mplex_engine_kv_swap_in_bytes_total", "Bytes of KV copied back from the host tier")
+        self.swap_seconds = counter("mplex_engine_kv_swap_seconds_total", "Wall time of host <-> device KV copies")
+        self.host_blocks_used = gauge("mplex_engine_kv_host_blocks_used", "Host-tier KV blocks held by swapped-out sequences")
+        self.host_blocks_total = gauge("mplex_engine_kv_host_blocks_total", "Host-tier KV blocks (0: no host tier)")
+        self.cow_copies = counter("mplex_engine_kv_cow_copies_total", "KV blocks copied on the first write into a shared block")
+        self.forks = counter("mplex_engine_kv_forks_total", "Requests that forked an identical running prompt's KV")
+        self.fork_tokens = counter("mplex_engine_kv_fork_shared_tokens_total", "Prompt tokens forks shared instead of computing")
+        self.copy_bandwidth = gauge("mplex_engine_kv_copy_bytes_per_second", "Running estimate of host <-> device KV copy bandwidth")
+        self.prefill_token_seconds = gauge("mplex_engine_prefill_seconds_per_token", "Running estimate of a prefill token's cost (recompute)")
         self.busy_seconds = counter("mplex_engine_busy_seconds_total", "Wall time spent in forward steps")
         self.idle_seconds = counter("mplex_engine_idle_seconds_total", "Wall time with no work")
         self.lora_slots_used = gauge("mplex_engine_lora_slots_used", "Device adapter slots holding an adapter")
@@ -73,6 +90,10 @@ class EngineMetrics:
         self._tenant_labels: set[str] = set()
         self._tenant_waiting_set: set[str] = set()
         self.model_name = model_name
+
+    def count_preemptions(self, kind: str, n: int) -> None:
+        if n:
+            self._preemptions.labels(model=self.model_name, kind=kind).inc(n)
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(model=self.model_name, finish_reason=reason).inc()

@@ -5,11 +5,13 @@ the plan: block tables and how many tokens each sequence computes.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from services.engine.kernels.attention_native import NativeAttention
+from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
 from services.engine.model.attention import AttnGroup, AttnMetadata, DecodeGroup, build_group
 from services.engine.model.layers import LoraHook
 from services.engine.model.llama import LlamaModel
@@ -31,6 +33,17 @@ class StepInputs:
     lora_runs: tuple[tuple[int, int, int], ...] | None = None
 
 
+@dataclass(slots=True)
+class CopyStats:
+    """What a step's block copies moved, and the wall time of the host <-> device ones."""
+
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    cow_blocks: int = 0
+    swap_bytes: int = 0
+    swap_seconds: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
                  attention_kernel: NativeAttention | None = None):
@@ -46,10 +59,77 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
+        self.host_blocks: list[torch.Tensor] = []  # the host tier: one CPU tensor per kv_block_tensors() entry
+
     @property
     def kv_cache_bytes(self) -> int:
-        k, v = self.kv_caches[0]
-        return len(self.kv_caches) * 2 * k.numel() * k.element_size()
+        return sum(t.numel() * t.element_size() for t in self.kv_block_tensors())
+
+    def kv_block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds per-block KV state, indexed by block id in dim 0: each layer's K and V
+        caches (an FP8 cache adds its per-block scales here). Block copies and swaps go over this list,
+        never over K and V by name, so a block moves with all of its state."""
+        return [t for kv in self.kv_caches for t in kv]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.kv_block_tensors())
+
+    def allocate_host_blocks(self, num_blocks: int) -> None:
+        """The host tier: CPU tensors shaped like kv_block_tensors(), `num_blocks` blocks each (pinned
+        when the device is a GPU, so copies can use DMA). Pages are touched only when blocks are used."""
+        pin = torch.device(self.device).type == "cuda"
+        self.host_blocks = [
+            torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
+            for t in self.kv_block_tensors()
+        ] if num_blocks else []
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[BlockCopy]) -> CopyStats:
+        """Run a step's block copies in their order (batched where they do not depend on each other)."""
+        stats = CopyStats()
+        dev = self.device
+        for batch in copy_batches(copies):
+            t0 = time.perf_counter()
+            n = len(batch.src)
+            src = torch.tensor(batch.src, dtype=torch.int64)
+            dst = torch.tensor(batch.dst, dtype=torch.int64)
+            if batch.kind is CopyKind.COW:
+                src, dst = src.to(dev), dst.to(dev)
+                for t in self.kv_block_tensors():
+                    t.index_copy_(0, dst, t.index_select(0, src))
+                stats.cow_blocks += n
+                continue
+            assert self.host_blocks, "a swap without a host tier"
+            for t, h in zip(self.kv_block_tensors(), self.host_blocks, strict=True):
+                if batch.kind is CopyKind.SWAP_OUT:
+                    h.index_copy_(0, dst, t.index_select(0, src.to(dev)).to("cpu"))
+                else:
+                    t.index_copy_(0, dst.to(dev), h.index_select(0, src).to(dev, non_blocking=True))
+            if torch.device(dev).type == "cuda":
+                torch.cuda.synchronize(dev)
+            stats.swap_seconds += time.perf_counter() - t0
+            stats.swap_bytes += n * self.block_bytes
+            if batch.kind is CopyKind.SWAP_OUT:
+                stats.swap_out_blocks += n
+            else:
+                stats.swap_in_blocks += n
+        return stats
+
+    def measure_copy_bandwidth(self, num_blocks: int = 16, repeats: int = 3) -> tuple[int, float]:
+        """(bytes, seconds) of copying `num_blocks` blocks to the host tier and back, best of `repeats`:
+        the swap cost model's first estimate, before any real swap is timed. Leaves the KV as it was
+        (the blocks are copied back onto themselves)."""
+        n = min(num_blocks, len(self.kv_caches[0][0]), self.host_blocks[0].shape[0] if self.host_blocks else 0)
+        if n == 0:
+            return 0, 0.0
+        ids = list(range(n))
+        best = float("inf")
+        for _ in range(repeats):
+            stats = self.copy_blocks([BlockCopy(CopyKind.SWAP_OUT, i, i) for i in ids]
+                                     + [BlockCopy(CopyKind.SWAP_IN, i, i) for i in ids])
+            best = min(best, stats.swap_seconds)
+        return 2 * n * self.block_bytes, best
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         dev, bs = self.device, self.block_size

@@ -1,12 +1,15 @@
 """Iteration-level continuous batching: which sequences run this step and how many tokens each.
 
 Every step spends a token budget: running decodes first (so a long prompt never stalls them), then
-partially prefilled prompts, then new admissions by priority class and, inside a class, in tenant-fair
-order (fair_queue.py: weighted fair queuing on tokens). Admission needs a seat and free KV blocks; a
-request may take them from a running sequence of a lower class, or -- when its tenant is under its fair
-share of the batch -- of the tenant furthest over its share; when a running sequence cannot grow, the
-victim is chosen the same way. Preempted sequences are recomputed later. The scheduler never touches
-tensors: its output is a `StepPlan`.
+partially prefilled prompts and new admissions, class by class, interleaved in tenant-fair order
+(fair_queue.py: weighted fair queuing on tokens). Admission needs a seat and free KV blocks; a request may
+take them from a running sequence of a lower class, or -- when its tenant is under its fair share of the
+batch -- of the tenant furthest over its share; when a running sequence cannot grow, the victim is chosen
+the same way. A preempted sequence is swapped out to the host tier or freed and later recomputed,
+whichever the cost model (preemption.py) says is cheaper; a swapped-out sequence is copied back when
+re-admitted and goes on where it was. A request whose prompt equals a running one's forks it (forks.py)
+instead of computing the prompt again. The scheduler never touches tensors: its output is a `StepPlan`,
+whose block copies the model runner executes before the forward.
 """
 from __future__ import annotations
 
@@ -15,7 +18,10 @@ from typing import Protocol
 
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import Admission, Tenants, WaitQueue
-from services.engine.kv.manager import KVCacheManager
+from services.engine.forks import WAIT, PromptGroups
+from services.engine.kv.copies import BlockCopy, CopyKind
+from services.engine.kv.manager import KVCacheManager, PrefixHit
+from services.engine.preemption import PreemptKind
 from services.engine.sequence import Priority, Sequence, Status
 
 
@@ -38,6 +44,13 @@ class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     fair_preempted: int = 0  # of `preempted`: seats or blocks taken for a tenant under its fair share
+    swapped_out: list[Sequence] = field(default_factory=list)  # those of `preempted` swapped, not freed
+    # Run by the model runner before the forward, in this order (kv/copies.py says why one list).
+    block_copies: list[BlockCopy] = field(default_factory=list)
+
+    def copies_of(self, kind: CopyKind) -> list[tuple[int, int]]:
+        """(src, dst) of one kind: vLLM's blocks_to_swap_out / blocks_to_swap_in / blocks_to_copy."""
+        return [(c.src, c.dst) for c in self.block_copies if c.kind is kind]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,12 +77,24 @@ class AdapterSlots(Protocol):
         """Unpin the sequence's adapter (the sequence left the running set)."""
 
 
+class PreemptionPolicy(Protocol):
+    """Chooses how to preempt (preemption.PreemptionCostModel)."""
+
+    def choose(self, est) -> PreemptKind: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, adapters: AdapterSlots | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, adapters: AdapterSlots | None = None,
+                 *, preemption: PreemptionPolicy | None = None, share_prompts: bool = False):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.adapters = adapters
+        self.preemption = preemption  # None: always recompute
+        self.prompts = PromptGroups() if share_prompts else None
+        self.num_forks = 0
+        self.fork_tokens = 0  # prompt tokens forks shared instead of computing
+        self.preemptions_by_kind = {k: 0 for k in PreemptKind}
         self.tenants = Tenants(fair=config.policy == "fair")
         self.waiting: dict[Priority, WaitQueue] = {p: WaitQueue(self.tenants) for p in Priority}
         self.running: list[Sequence] = []
@@ -89,6 +114,8 @@ class Scheduler:
         seq.status = Status.WAITING
         self.tenants.arrived(seq)
         self.waiting[seq.priority].append(seq)
+        if self.prompts is not None:
+            self.prompts.add(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (completed or aborted) and free its KV blocks at once."""
@@ -103,6 +130,8 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.request_id)
+        if self.prompts is not None:
+            self.prompts.remove(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -129,6 +158,7 @@ class Scheduler:
         self._fill(plan, prefills, admit=not plan.preempted)
         # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
         plan.scheduled.sort(key=lambda s: s.lora_slot)
+        plan.block_copies = self.kv.take_copies()
         return plan
 
     def _budget(self, plan: StepPlan) -> int:
@@ -185,6 +215,10 @@ class Scheduler:
         # no new sequences until it is idle; everyone else keeps batching. The drained slot frees in at most
         # its sequences' remaining max_tokens, and the queue is scanned oldest first, so the older waiting
         # requests get it before any newer one.
+        source = self._fork_source(seq)
+        if source is WAIT:  # an identical prompt is being computed: fork it once it is, not now
+            walk.skip(seq)
+            return True
         if len(self.running) >= self.config.max_num_seqs:
             victim = self._victim_for(seq)
             if victim is None:
@@ -206,7 +240,7 @@ class Scheduler:
                 walk.skip(seq)
                 return True
             slot = acquired
-        hit = self.kv.match_prefix(seq)
+        hit = self._kv_start(seq, source)
         remaining = seq.num_tokens - hit.num_tokens
         num_new = min(remaining, self._budget(plan))
         if not self.config.chunked_prefill and num_new < remaining:
@@ -226,9 +260,7 @@ class Scheduler:
         seq.lora_slot = slot
         seq.slot_wait_steps = 0
         seq.num_computed_tokens = hit.num_tokens
-        self.prefix_hit_tokens += hit.num_tokens
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = hit.num_tokens
+        self._count_start(seq, hit, source)
         seq.status = Status.RUNNING
         self.running.append(seq)
         self.tenants.admitted(seq)
@@ -291,14 +323,21 @@ class Scheduler:
                    key=lambda s: (ratios.get(self.tenants.key(s), 0.0), s.arrival_order))
 
     def _preempt(self, seq: Sequence, plan: StepPlan, walk: Admission | None = None, fair: bool = False) -> None:
-        """Free a running sequence's blocks; it goes back to the front of its tenant's queue in its class
-        and is recomputed. `walk`: the admission pass in progress, which must not take it back at once."""
+        """Take a running sequence off the device: its KV is swapped out to the host tier or freed for
+        recompute (`_preemption_kind`); it goes back to the front of its tenant's queue in its class.
+        `walk`: the admission pass in progress, which must not take it back at once."""
         self.running.remove(seq)
         self.tenants.preempted(seq)
         self._release_adapter(seq)
-        self.kv.free(seq.request_id)
+        kind = self._preemption_kind(seq)
+        if kind is PreemptKind.SWAP:
+            self.kv.swap_out(seq)  # reads num_computed_tokens: before it is reset
+            plan.swapped_out.append(seq)
+        else:
+            self.kv.free(seq.request_id)
+        self.preemptions_by_kind[kind] += 1
         seq.status = Status.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = 0  # a swapped-out sequence's tokens are the KV manager's (kv.restore)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting[seq.priority].appendleft(seq)
@@ -307,6 +346,43 @@ class Scheduler:
         plan.preempted.append(seq)
         plan.fair_preempted += fair
         plan.scheduled[:] = [s for s in plan.scheduled if s.seq is not seq]
+
+    def _preemption_kind(self, seq: Sequence) -> PreemptKind:
+        if self.preemption is None or self.kv.host is None or seq.num_computed_tokens == 0:
+            return PreemptKind.RECOMPUTE
+        return self.preemption.choose(self.kv.swap_estimate(seq))
+
+    # -- where an admitted sequence's KV comes from ----------------------------------------------
+    def _fork_source(self, seq: Sequence) -> Sequence | object | None:
+        """A running sequence with the same prompt to fork, WAIT while one is computing it, or None."""
+        if self.prompts is None or self.kv.is_swapped(seq.request_id):
+            return None
+        return self.prompts.source(seq)
+
+    def _kv_start(self, seq: Sequence, source: Sequence | None) -> PrefixHit:
+        """A fork of `source`'s prompt, a swapped-out sequence's blocks back from the host tier, or the
+        prefix cache's longest hit."""
+        if source is not None:
+            return self.kv.fork(source, seq.num_prompt_tokens - 1)
+        if self.kv.is_swapped(seq.request_id):
+            return self.kv.restore(seq)
+        return self.kv.match_prefix(seq)
+
+    def _count_start(self, seq: Sequence, hit: PrefixHit, source: Sequence | None) -> None:
+        if hit.kind == "swap":
+            return  # its own KV coming back: neither a prefix hit nor cached tokens
+        if hit.kind == "fork":
+            self.num_forks += 1
+            self.fork_tokens += hit.num_tokens
+            # cached_tokens is billed at the cached price, and the gateway bills an n > 1 request's prompt
+            # once, from whichever choice it sees first: a fork reports what its source got from the prefix
+            # cache, so the bill does not depend on which choice computed the prompt.
+            cached = source.num_cached_tokens or 0
+        else:
+            self.prefix_hit_tokens += hit.num_tokens
+            cached = hit.num_tokens
+        if seq.num_cached_tokens is None:  # at its first admission
+            seq.num_cached_tokens = cached
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.adapters is not None:
