@@ -35,6 +35,7 @@ def make_engine(
     max_model_len: int | None = None,
     lora_kernel: str = "auto",
     cpu_attention: str = "auto",
+    kv_dtype: str = "auto",
 ) -> LLMEngine:
     torch.set_num_threads(2)
     return LLMEngine(
@@ -42,7 +43,8 @@ def make_engine(
             model_dir=model_dir,
             dtype=dtype,
             weight_dtype=weight_dtype,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,
+                              kv_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
             lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             cpu_kernel=lora_kernel),

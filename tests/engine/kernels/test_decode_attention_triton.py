@@ -158,3 +158,20 @@ def test_the_kernel_compiles_for_cuda(arch, tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(res.stdout.splitlines()) == 4
+
+
+def test_the_engine_decodes_through_the_triton_kernel_to_the_native_kernels_tokens(demo_kit):
+    """The engine's CUDA decode path (DecodeGroup -> TritonDecodeAttention, fp8 cache written by torch), run
+    interpreted on the CPU, against the native CPU path: the same greedy tokens (both read the same fp8
+    bytes; their fp32 sums differ only by rounding)."""
+    from services.engine.sequence import SamplingParams
+    from tests.engine.conftest import make_engine, run_all
+    from tests.engine.test_kv_fp8_engine import _prompts
+
+    prompts = _prompts(demo_kit, n=5, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    reqs = [{"id": f"r{i}", "prompt": p, "params": params} for i, p in enumerate(prompts)]
+    native = make_engine(demo_kit.base_dir, kv_dtype="fp8", block_size=8)
+    triton_engine = make_engine(demo_kit.base_dir, kv_dtype="fp8", block_size=8, cpu_attention="torch")
+    triton_engine.runner.attention_kernel = KERNEL  # what LLMEngine picks on CUDA for an fp8 cache
+    assert run_all(triton_engine, reqs) == run_all(native, reqs)
