@@ -95,6 +95,22 @@ static inline float exp_nonpos(float x)
    kv_fp8.decode_codes). Magnitude bits placed in an fp32 with exponent bias 120 and the half-ulp bit set
    give 2^(e-7) (1 + (m + 1/2)/8) for e >= 1; for e = 0 that formula's v is 2^-7 + (m + 1/2) 2^-10, and
    the subnormal value (m + 1/2) 2^-9 is 2v - 2^-6 (exact, and no fp32 subnormal is ever formed). */
+#if defined(__F16C__) && defined(__SSE4_1__)
+#include <immintrin.h>
+/* With F16C: the code's bits placed in an fp16 (kv_fp8.decode_codes' layout, half-ulp bit set) and widened
+   by the hardware conversion, exact for fp16 subnormals too. The result is the value / 256: callers fold
+   the 256 into their scales (FP8_DECODE_SCALE). */
+#define FP8_DECODE_SCALE 256.0f
+static inline void decode8_fp8(const uint8_t *p, float *out)
+{
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+    const __m128i h = _mm_or_si128(_mm_or_si128(mag, sign), _mm_set1_epi16(0x40));
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(h));
+}
+#else
+#define FP8_DECODE_SCALE 1.0f
 static inline void decode8_fp8(const uint8_t *p, float *out)
 {
     vb8 b;
@@ -110,7 +126,9 @@ static inline void decode8_fp8(const uint8_t *p, float *out)
     bits |= (c & 0x80u) << 24;
     memcpy(out, &bits, sizeof bits);
 }
+#endif
 
+/* The same for one code, at the scale decode8_fp8 returns (value / FP8_DECODE_SCALE; exact either way). */
 static inline float decode1_fp8(uint8_t c)
 {
     uint32_t mag = ((uint32_t)(c & 0x7F) << 20) + (120u << 23) + (1u << 19);
@@ -118,7 +136,7 @@ static inline float decode1_fp8(uint8_t c)
     memcpy(&v, &mag, sizeof v);
     if ((c & 0x78) == 0)
         v = 2.0f * v - 0.015625f;
-    return (c & 0x80) ? -v : v;
+    return ((c & 0x80) ? -v : v) / FP8_DECODE_SCALE;
 }
 
 static inline void decode_row_fp8(const uint8_t *p, float *out, int D, int D8)
@@ -157,15 +175,15 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
         const float *vb = FP8 ? NULL : (const float *)v_cache + first;
         const uint8_t *kb8 = FP8 ? (const uint8_t *)k_cache + first : NULL;
         const uint8_t *vb8 = FP8 ? (const uint8_t *)v_cache + first : NULL;
-        const float k_scale = FP8 ? scale * k_scales[blk * kv_heads + kvh] : scale;
-        const float v_scale = FP8 ? v_scales[blk * kv_heads + kvh] : 1.0f;
+        const float k_scale = FP8 ? scale * (k_scales[blk * kv_heads + kvh] * FP8_DECODE_SCALE) : scale;
+        const float v_scale = FP8 ? v_scales[blk * kv_heads + kvh] * FP8_DECODE_SCALE : 1.0f;
 
         /* scores of this chunk */
         for (int t = 0; t < n; t++) {
             const float *kt;
             if (FP8) {
                 if (t + 1 < n)
-                    __builtin_prefetch(kb8 + (t + 1) * row, 0, 3);
+                    __builtin_prefetch(vb8 + t * row, 0, 3);
                 decode_row_fp8(kb8 + t * row, row_buf, D, D8);
                 kt = row_buf;
             } else {

@@ -3,6 +3,7 @@ over the paged cache; its refusals; its compiler fallback; engine equivalence wi
 the runner's prefill buckets."""
 import logging
 import math
+import platform
 import random
 
 import pytest
@@ -526,3 +527,25 @@ def test_fp8_decode_refuses_missing_or_misshapen_scales(kernel):
     refused("scales are for an fp8 cache", k_cache=torch.randn(6, 4, 2, 8), v_cache=torch.randn(6, 4, 2, 8))
     # Scales for 6 blocks beside a cache of 4: one scale per block of the cache, or nothing is read.
     refused("k_scales must be", k_cache=k_cache[:4].contiguous(), v_cache=v_cache[:4].contiguous())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="F16C is an x86 extension")
+def test_fp8_decode_without_f16c_uses_the_portable_decoder():
+    """Where the compiler targets no F16C, fp8 bytes are decoded by integer bit moves instead of the fp16
+    conversion instruction: the same values, so the same results."""
+    from services.engine.kernels.native_build import FLAGS, library
+
+    portable = NativeAttention(library(attention_native.SOURCE, "attention-no-f16c", FLAGS + ("-mno-f16c",)))
+    gen = torch.Generator().manual_seed(21)
+    block_size, kvh, group, d = 8, 2, 3, 13  # 13: eight-lane and scalar decoding
+    k_cache, k_scales = fp8_cache(gen, (10, block_size, kvh, d))
+    v_cache, v_scales = fp8_cache(gen, (10, block_size, kvh, d))
+    q = torch.randn(3, kvh * group, d, generator=gen)
+    args = (torch.tensor([2, 0, 1]), torch.tensor([1, 17, 40]), torch.randint(0, 10, (3, 5), generator=gen))
+    want = fp8_reference(q, k_cache, v_cache, k_scales, v_scales, *args, scale=0.3, window=None)
+    for kernel in (portable, attention_native.load()):
+        out = torch.zeros_like(q)
+        kernel.decode(q, out, k_cache, v_cache, *args, scale=0.3, window=None, num_threads=1, k_scales=k_scales,
+                      v_scales=v_scales)
+        for r, w in want.items():
+            torch.testing.assert_close(out[r].double(), w, atol=1e-5, rtol=1e-5)
