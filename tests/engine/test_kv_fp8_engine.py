@@ -183,3 +183,25 @@ def test_metrics_and_startup_log_state_the_kv_dtype(demo_kit, caplog):
     fp32 = make_engine(demo_kit.base_dir)
     assert 'kv_dtype="float32"' in generate_latest(fp32.metrics.registry).decode()
     assert fp32.metrics.kv_bytes_per_token._value.get() == 4 * 2 * 2 * 24 * 4
+
+
+@pytest.fixture(scope="module")
+def window_model(tmp_path_factory):
+    from services.modelkit import build_tiny_random
+
+    return build_tiny_random(tmp_path_factory.mktemp("fp8-window") / "m", arch="mistral", seed=4, sliding_window=20,
+                             max_position_embeddings=256)
+
+
+def test_fp8_with_a_sliding_window_is_independent_of_chunking_and_path(window_model):
+    """Mistral's sliding window over an fp8 cache: decode reads start mid-block (ctx - window), on the
+    native kernel and on the torch path; chunked prefill fills blocks over several steps."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 19, 21, 40, 77)]
+    runs = {}
+    for name, kw in {"whole": dict(budget=4096), "chunked": dict(budget=16),
+                     "torch": dict(budget=4096, cpu_attention="torch")}.items():
+        engine = make_engine(window_model, kv_dtype="fp8", block_size=8, prefix_caching=False, lora_kernel="torch", **kw)
+        runs[name] = _greedy(engine, prompts, max_tokens=30)
+    assert runs["chunked"] == runs["whole"]
+    assert runs["torch"] == runs["whole"]
