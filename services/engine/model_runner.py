@@ -62,7 +62,8 @@ class ModelRunner:
     def kv_block_tensors(self) -> list[torch.Tensor]:
         """Every tensor holding per-block KV state -- K and V of every layer and, with fp8, their scales --
         each indexed by block id in dim 0. Copying or swapping block b means moving index b of each: a block
-        with its scales is self-contained."""
+        with its scales is self-contained. (The fp8 K/V tensors can be moved as bytes, `t.view(torch.uint8)`,
+        where an indexing op lacks fp8 support on a device.)"""
         return [t for layer in self.kv_caches for t in layer.tensors()]
 
     @property

@@ -85,7 +85,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
 def gather_dequant(cache: torch.Tensor, scales: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The blocks `block_ids` (any shape, flattened) of an fp8 cache, dequantized: [len, block_size, H, D]."""
     flat = block_ids.reshape(-1)
-    return dequantize(cache.index_select(0, flat), scales.index_select(0, flat), dtype)
+    # Gathered as bytes: indexing ops do not all take fp8 dtypes on every device.
+    return dequantize(cache.view(torch.uint8).index_select(0, flat), scales.index_select(0, flat), dtype)
 
 
 @dataclass(slots=True)
