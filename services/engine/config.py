@@ -142,11 +142,16 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
 
 
 SWAP_SPACE_AUTO_MAX = 4 * 2**30  # vLLM's default swap space per GPU
+KV_DTYPES = ("auto", "fp8")
+KV_SCALE_DTYPE = torch.float32  # fp8 KV: one scale per (block, kv head), for K and for V
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: fixed-size blocks; capacity from `num_blocks` or from a memory budget."""
+    """Paged KV cache: fixed-size blocks; capacity from `num_blocks` or from a memory budget.
+
+    kv_dtype "auto" stores K/V in the model's compute dtype; "fp8" stores float8_e4m3fn with a scale per
+    (block, kv head) (kernels/kv_fp8.py): about 2x the tokens of bf16 in the same memory."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -163,6 +168,7 @@ class CacheConfig:
     # Requests with the same prompt and cache extra (n > 1 choices, identical concurrent prompts) fork
     # one running request's prompt blocks copy-on-write instead of each computing them (forks.py).
     enable_prompt_sharing: bool = True
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -180,12 +186,29 @@ class CacheConfig:
         if self.swap_space_bytes is None:
             return min(num_device_blocks, SWAP_SPACE_AUTO_MAX // block_bytes)
         return self.swap_space_bytes // block_bytes
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (fp8 = e4m3 with per-block, "
+                              f"per-kv-head scales), got {self.kv_dtype!r}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype K/V are stored in, for a model computing in `dtype`."""
+        return torch.float8_e4m3fn if self.is_fp8 else dtype
+
+    def bytes_per_block(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, K and V, scales included."""
+        per_cache = self.block_size * model.kv_size * self.storage_dtype(dtype).itemsize
+        if self.is_fp8:
+            per_cache += model.num_kv_heads * KV_SCALE_DTYPE.itemsize
+        return 2 * model.num_layers * per_cache
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = 2 * model.num_layers * self.block_size * model.kv_size * dtype.itemsize
-        blocks = self.memory_bytes // per_block
+        blocks = self.memory_bytes // self.bytes_per_block(model, dtype)
         if blocks < 2:
             raise ConfigError(f"memory_bytes={self.memory_bytes} holds fewer than 2 KV blocks")
         return int(blocks)

@@ -84,8 +84,10 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
+        attention_kernel = _attention_kernel(config, mcfg, block_size)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids,
-                                  attention_kernel=_attention_kernel(config, mcfg, block_size))
+                                  attention_kernel=attention_kernel, kv_dtype=config.cache.kv_dtype,
+                                  fp8_writer=_fp8_writer(config, attention_kernel))
         num_host_blocks = config.cache.resolve_num_host_blocks(self.runner.block_bytes, num_blocks)
         self.runner.allocate_host_blocks(num_host_blocks)
         self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching,
@@ -114,6 +116,8 @@ class LLMEngine:
         self.metrics = EngineMetrics(config.model_name)
         self.metrics.kv_total.set(num_blocks)
         self.metrics.host_blocks_total.set(num_host_blocks)
+        kv_dtype = "fp8_e4m3" if config.cache.is_fp8 else config.dtype
+        self.metrics.set_kv_cache_info(kv_dtype, self.runner.kv_bytes_per_token)
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
@@ -122,10 +126,12 @@ class LLMEngine:
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
-            "(%.1f MiB) host tier=%d blocks (%.1f MiB) max_model_len=%d attention=%s lora=%s",
+            "(%.1f MiB, kv_dtype=%s, %.1f bytes/token) host tier=%d blocks (%.1f MiB) max_model_len=%d attention=%s lora=%s",
             config.model_name, weights / 2**20, "fp8" if config.weight_dtype == "fp8" else config.dtype,
             weights / (2 * params), 2 * params / 2**20, num_blocks, block_size, self.runner.kv_cache_bytes / 2**20,
-            num_host_blocks, num_host_blocks * self.runner.block_bytes / 2**20, self.max_model_len, "sdpa" if self.runner.attention_kernel is None else "native decode + sdpa prefill",
+            kv_dtype, self.runner.kv_bytes_per_token, num_host_blocks, num_host_blocks * self.runner.block_bytes / 2**20,
+            self.max_model_len,
+            "sdpa" if attention_kernel is None else f"{_kernel_name(attention_kernel)} decode + sdpa prefill",
             "off" if self.adapters is None else
             f"{config.lora.max_loras} slots ({self.adapters.cpu_kernel or 'triton'} kernel)",
         )
@@ -519,11 +525,19 @@ class LLMEngine:
 
 
 def _attention_kernel(config: EngineConfig, mcfg, block_size: int):
-    """The native CPU decode attention kernel, when config.cpu_attention allows it and it fits here."""
+    """The paged decode kernel: on the CPU the native one, when config.cpu_attention allows it and it fits
+    here; on CUDA with an fp8 cache the Triton one (which reads fp8 + scales in place rather than
+    dequantizing a gathered copy); otherwise none (gather + SDPA)."""
     from services.engine.config import ConfigError
     from services.engine.kernels import attention_native
 
-    if config.cpu_attention == "torch" or config.device != "cpu":
+    if config.device != "cpu":
+        if config.cache.is_fp8 and config.device.startswith("cuda"):
+            from services.engine.kernels.decode_attention import TritonDecodeAttention
+
+            return TritonDecodeAttention()
+        return None
+    if config.cpu_attention == "torch":
         return None
     why = None
     if not attention_native.NativeAttention.supports(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, block_size,
@@ -536,10 +550,27 @@ def _attention_kernel(config: EngineConfig, mcfg, block_size: int):
         except attention_native.NativeKernelUnavailable as exc:
             why = str(exc)
     if config.cpu_attention == "native":
-        raise ConfigError(f"cpu_attention=native, but {why}")
+        kv = " (with kv_dtype=fp8 too: the kernel dequantizes into fp32)" if config.cache.is_fp8 else ""
+        raise ConfigError(f"cpu_attention=native, but {why}{kv}")
     if config.torch_dtype == torch.float32:  # other dtypes are expected to use SDPA: no warning for them
         log.warning("native CPU attention unavailable, using gather + SDPA: %s", why)
     return None
+
+
+def _fp8_writer(config: EngineConfig, attention_kernel):
+    """The native writer of an fp8 cache: the CPU decode kernel's library, when it is in use (fp32 compute;
+    cpu_attention="torch" keeps every KV op in torch). Otherwise kv_fp8.write_fp8_kv writes."""
+    from services.engine.kernels.attention_native import NativeAttention
+
+    if config.cache.is_fp8 and isinstance(attention_kernel, NativeAttention):
+        return attention_kernel
+    return None
+
+
+def _kernel_name(kernel) -> str:
+    from services.engine.kernels.attention_native import NativeAttention
+
+    return "native" if isinstance(kernel, NativeAttention) else "triton"
 
 
 def adapter_error(exc: AdapterFormatError) -> InvalidRequest:

@@ -30,6 +30,10 @@ class EngineMetrics:
         self.waiting = gauge("mplex_engine_requests_waiting", "Sequences waiting for admission")
         self.kv_used = gauge("mplex_engine_kv_blocks_used", "KV cache blocks in use (incl. cached idle blocks held by requests)")
         self.kv_total = gauge("mplex_engine_kv_blocks_total", "KV cache blocks in the pool")
+        self.kv_bytes_per_token = gauge("mplex_engine_kv_cache_bytes_per_token",
+                                        "KV cache bytes per token slot over all layers, K and V (fp8: scales included)")
+        self._kv_info = Gauge("mplex_engine_kv_cache_info", "KV cache storage (1 for the engine's kv_dtype)",
+                              ["model", "kv_dtype"], registry=r)
         self.prompt_tokens = counter("mplex_engine_prompt_tokens_total", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("mplex_engine_generation_tokens_total", "Generated tokens")
         self.prefix_hit_tokens = counter("mplex_engine_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache")
@@ -94,6 +98,10 @@ class EngineMetrics:
     def count_preemptions(self, kind: str, n: int) -> None:
         if n:
             self._preemptions.labels(model=self.model_name, kind=kind).inc(n)
+
+    def set_kv_cache_info(self, kv_dtype: str, bytes_per_token: float) -> None:
+        self._kv_info.labels(model=self.model_name, kv_dtype=kv_dtype).set(1)
+        self.kv_bytes_per_token.set(bytes_per_token)
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(model=self.model_name, finish_reason=reason).inc()

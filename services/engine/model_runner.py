@@ -10,9 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.config import KV_SCALE_DTYPE
 from services.engine.kernels.attention_native import NativeAttention
+from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan
 from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
-from services.engine.model.attention import AttnGroup, AttnMetadata, DecodeGroup, build_group
+from services.engine.model.attention import (AttnGroup, AttnMetadata, DecodeGroup, DecodeKernel, Fp8Writer, LayerKV,
+                                             build_group)
 from services.engine.model.layers import LoraHook
 from services.engine.model.llama import LlamaModel
 from services.engine.sampler import SamplerOutput, SamplingBatch, sample
@@ -46,16 +49,27 @@ class CopyStats:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
-                 attention_kernel: NativeAttention | None = None):
+                 attention_kernel: DecodeKernel | None = None, kv_dtype: str = "auto",
+                 fp8_writer: Fp8Writer | None = None):
+        """kv_dtype "auto": K/V in the model's dtype; "fp8": e4m3 with per-(block, kv head) scales, written by
+        `fp8_writer` (the native CPU writer) or else by torch (kernels/kv_fp8.py)."""
         cfg = model.config
         self.model = model
-        self.attention_kernel = attention_kernel  # decode rows attended in place by the native CPU kernel
+        self.attention_kernel = attention_kernel  # decode rows attended in place (native CPU / Triton kernel)
         self.block_size = block_size
         self.device = model.device
         self.eos_token_ids = eos_token_ids
+        self.kv_fp8 = kv_dtype == "fp8"
+        self.fp8_writer = fp8_writer if self.kv_fp8 else None
+        self.kv_dtype = FP8_KV_DTYPE if self.kv_fp8 else model.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
+            LayerKV(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype),
+                    *((zeros(shape[::2], KV_SCALE_DTYPE), zeros(shape[::2], KV_SCALE_DTYPE)) if self.kv_fp8 else ()))
             for _ in range(cfg.num_layers)
         ]
 
@@ -66,10 +80,17 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.kv_block_tensors())
 
     def kv_block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor that holds per-block KV state, indexed by block id in dim 0: each layer's K and V
-        caches (an FP8 cache adds its per-block scales here). Block copies and swaps go over this list,
-        never over K and V by name, so a block moves with all of its state."""
-        return [t for kv in self.kv_caches for t in kv]
+        """Every tensor holding per-block KV state -- K and V of every layer and, with fp8, their scales --
+        each indexed by block id in dim 0. Copying or swapping block b means moving index b of each: a block
+        with its scales is self-contained. Block copies and swaps go over this list, never over K and V by
+        name. fp8 tensors are listed as their bytes (uint8 views): not every indexing op takes fp8."""
+        return [_movable(t) for layer in self.kv_caches for t in layer.tensors()]
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Cache bytes per token slot, scales included."""
+        k = self.kv_caches[0].k
+        return self.kv_cache_bytes / (k.shape[0] * k.shape[1])
 
     @property
     def block_bytes(self) -> int:
@@ -120,7 +141,7 @@ class ModelRunner:
         """(bytes, seconds) of copying `num_blocks` blocks to the host tier and back, best of `repeats`:
         the swap cost model's first estimate, before any real swap is timed. Leaves the KV as it was
         (the blocks are copied back onto themselves)."""
-        n = min(num_blocks, len(self.kv_caches[0][0]), self.host_blocks[0].shape[0] if self.host_blocks else 0)
+        n = min(num_blocks, self.kv_caches[0].k.shape[0], self.host_blocks[0].shape[0] if self.host_blocks else 0)
         if n == 0:
             return 0, 0.0
         ids = list(range(n))
@@ -154,8 +175,8 @@ class ModelRunner:
             if decode.numel():
                 d_ctx = ctx[decode]
                 groups.append(DecodeGroup(
-                    rows=offsets[decode], context_lens=d_ctx,
-                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous(),
+                    rows=offsets[decode].to(dev), context_lens=d_ctx.to(dev),
+                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous().to(dev),
                     kernel=self.attention_kernel, sliding_window=self.model.config.sliding_window,
                     num_threads=torch.get_num_threads(),
                 ))
@@ -181,10 +202,13 @@ class ModelRunner:
         slot_list = [s.lora_slot for s in scheduled]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         has_lora = max(slot_list) >= 0
+        slot_mapping = slot_mapping.to(dev)
+        fp8_plan = Fp8WritePlan.build(slot_mapping, bs) if self.kv_fp8 and self.fp8_writer is None else None
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
-            attn=AttnMetadata(slot_mapping=slot_mapping.to(dev), groups=tuple(groups)),
+            attn=AttnMetadata(slot_mapping=slot_mapping, groups=tuple(groups), fp8_write=fp8_plan,
+                              fp8_writer=self.fp8_writer, num_threads=torch.get_num_threads()),
             sample_rows=sample_rows.to(dev),
             sampled=[s for s in scheduled if s.samples],
             token_slots=slots[seq_of_token].to(dev),
@@ -314,3 +338,8 @@ def _prefill_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, max
             break
         cuts = sorted(cuts + [best])
     return [prefill[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for fp8 its bytes: block copies move bytes, and fp8 lacks some indexing ops."""
+    return t.view(torch.uint8) if t.dtype == FP8_KV_DTYPE else t

@@ -38,6 +38,7 @@ def make_engine(
     swap_space_bytes: int | None = None,
     preemption_mode: str = "auto",
     prompt_sharing: bool = True,
+    kv_dtype: str = "auto",
 ) -> LLMEngine:
     torch.set_num_threads(2)
     return LLMEngine(
@@ -47,7 +48,7 @@ def make_engine(
             weight_dtype=weight_dtype,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,
                               swap_space_bytes=swap_space_bytes, preemption_mode=preemption_mode,
-                              enable_prompt_sharing=prompt_sharing),
+                              enable_prompt_sharing=prompt_sharing, kv_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
             lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             cpu_kernel=lora_kernel),
