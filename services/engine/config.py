@@ -181,14 +181,14 @@ class CacheConfig:
             raise ConfigError("swap_space_bytes must be >= 0 (0 = no host tier)")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (fp8 = e4m3 with per-block, "
+                              f"per-kv-head scales), got {self.kv_dtype!r}")
 
     def resolve_num_host_blocks(self, block_bytes: int, num_device_blocks: int) -> int:
         if self.swap_space_bytes is None:
             return min(num_device_blocks, SWAP_SPACE_AUTO_MAX // block_bytes)
         return self.swap_space_bytes // block_bytes
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (fp8 = e4m3 with per-block, "
-                              f"per-kv-head scales), got {self.kv_dtype!r}")
 
     @property
     def is_fp8(self) -> bool:

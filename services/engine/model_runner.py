@@ -83,8 +83,8 @@ class ModelRunner:
         """Every tensor holding per-block KV state -- K and V of every layer and, with fp8, their scales --
         each indexed by block id in dim 0. Copying or swapping block b means moving index b of each: a block
         with its scales is self-contained. Block copies and swaps go over this list, never over K and V by
-        name. fp8 tensors are listed as their bytes (uint8 views): not every indexing op takes fp8."""
-        return [_movable(t) for layer in self.kv_caches for t in layer.tensors()]
+        name (moving fp8 ones as bytes: not every indexing op takes fp8)."""
+        return [t for layer in self.kv_caches for t in layer.tensors()]
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -102,7 +102,7 @@ class ModelRunner:
         pin = torch.device(self.device).type == "cuda"
         self.host_blocks = [
             torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
-            for t in self.kv_block_tensors()
+            for t in map(_movable, self.kv_block_tensors())
         ] if num_blocks else []
 
     @torch.inference_mode()
@@ -117,12 +117,12 @@ class ModelRunner:
             dst = torch.tensor(batch.dst, dtype=torch.int64)
             if batch.kind is CopyKind.COW:
                 src, dst = src.to(dev), dst.to(dev)
-                for t in self.kv_block_tensors():
+                for t in map(_movable, self.kv_block_tensors()):
                     t.index_copy_(0, dst, t.index_select(0, src))
                 stats.cow_blocks += n
                 continue
             assert self.host_blocks, "a swap without a host tier"
-            for t, h in zip(self.kv_block_tensors(), self.host_blocks, strict=True):
+            for t, h in zip(map(_movable, self.kv_block_tensors()), self.host_blocks, strict=True):
                 if batch.kind is CopyKind.SWAP_OUT:
                     h.index_copy_(0, dst, t.index_select(0, src.to(dev)).to("cpu"))
                 else:

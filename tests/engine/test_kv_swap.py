@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from services.engine.config import SchedulerConfig
 from services.engine.kv.block_pool import BlockPool
-from services.engine.preemption import PreemptKind
 from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
 from services.engine.kv.host_pool import HostBlockPool
 from services.engine.kv.manager import FROM_HOST, KVCacheManager
