@@ -56,6 +56,13 @@ class Result:
 
 async def stream(c: httpx.AsyncClient, key: str, body: dict) -> Result:
     t0 = time.perf_counter()
+    try:
+        return await _stream(c, key, body, t0)
+    except httpx.TransportError as exc:  # counted as a failure of this request, not of the benchmark
+        return Result(False, 0, None, time.perf_counter() - t0, 0, f"transport:{type(exc).__name__}")
+
+
+async def _stream(c: httpx.AsyncClient, key: str, body: dict, t0: float) -> Result:
     ttft = None
     tokens = 0
     # Tokens are counted from the usage chunk, not per chunk: 300 streams are parsed by this same 2-core machine.
