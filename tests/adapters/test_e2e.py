@@ -4,6 +4,7 @@ subprocesses on the test Postgres and Redis) serving the trained demo kit:
 - the demo adapters, seeded through the pipeline as `make up` does, go uploaded -> ready and are served by name
   through the gateway (OpenAI SDK), token for token what the engine itself answers with the kit's files;
 - an untrained (random) adapter is rejected by the quality gate, with reasons and the per-example outputs;
+- without an eval set, a harmless adapter goes ready and a damaging one is refused (no-regression check);
 - the malicious corpus is refused case by case with its code; the worker never crashes; nothing is written
   outside the sandbox;
 - a new version of a name never serves the old version's KV; rollback serves the old one again; deleting the
@@ -222,6 +223,38 @@ def test_an_untrained_random_adapter_is_rejected_by_the_gate_with_reasons(stack,
         (run,) = s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == uuid.UUID(up["version_id"]))).all()
         assert run.status == EvalRunStatus.FINISHED and len(run.examples) == 40
         assert s.get(Adapter, uuid.UUID(up["adapter_id"])).active_version_id is None  # never routable
+
+
+def test_without_an_eval_set_a_harmless_adapter_goes_ready_and_a_damaging_one_is_refused(stack, admin, people, factory,
+                                                                                         demo_kit, tmp_path):
+    """The default gate through the real gateway and worker: no eval set, so the no-regression check on the
+    base-capability set; the version's `eval.reasons` lists every check, passed ones too, with its value."""
+    from services.modelkit import make_random_adapter
+
+    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    harmless = make_random_adapter(demo_kit.base_dir, tmp_path / "harmless", rank=16, seed=77, init_scale=0.02,
+                                   target_modules=modules)
+    damaging = make_random_adapter(demo_kit.base_dir, tmp_path / "damaging", rank=16, seed=77, init_scale=3.0,
+                                   target_modules=modules)
+    ups = {name: upload_dir(admin, people["tenant"].id, name, d) for name, d in (("harmless", harmless), ("damaging", damaging))}
+    tenant_admin = signed_in(stack, people["tenant_admin"])
+    try:
+        got = {}
+        for name, up in ups.items():
+            wait_final(factory, up["version_id"])
+            got[name] = tenant_admin.get(f"/api/tenant/adapter-versions/{up['version_id']}").json()
+    finally:
+        tenant_admin.close()
+    ok, bad = got["harmless"], got["damaging"]
+    assert ok["status"] == "ready" and ok["reasons"] == [] and ok["eval"]["passed"] is True
+    assert [(r["check"], r["passed"]) for r in ok["eval"]["reasons"]] == \
+        [("no_regression", True), ("well_formed", True), ("logits", True), ("fp8_agreement", True)]
+    assert all(r["value"] is not None and r["threshold"] is not None and r["message"] for r in ok["eval"]["reasons"])
+    m = ok["eval"]["metrics"]
+    assert m["check"] == "no_regression" and m["eval_set"] == "default" and m["n_examples"] == 200
+    assert bad["status"] == "rejected" and bad["reasons"][0]["code"] == "regression_over_tolerance"
+    assert {r["code"] for r in bad["reasons"]} == {r["code"] for r in bad["eval"]["reasons"] if not r["passed"]}
+    assert len(bad["eval"]["reasons"]) == 4 and bad["eval"]["metrics"]["regression"]["mean_drop"] > 0.5
 
 
 def test_the_malicious_corpus_is_refused_by_the_worker_code_by_code(stack, admin, people, factory, demo_kit, stack_env):

@@ -86,6 +86,9 @@ class EvalOut(BaseModel):
     passed: bool | None
     metrics: dict[str, Any]
     thresholds: dict[str, Any]
+    # Every check of the gate, passed or not: {check, code, passed, message, value, threshold}
+    # (the version's own `reasons` hold only what refused it).
+    reasons: list[Any] = []
     examples: list[Any]
 
 
@@ -164,6 +167,7 @@ def _eval_out(v: AdapterVersion) -> EvalOut | None:
         passed=passed,
         metrics=summary.get("metrics", run.metrics if run is not None else {}),
         thresholds=summary.get("thresholds", v.gate_config or {}),
+        reasons=summary.get("reasons", run.reasons if run is not None else []),
         examples=summary.get("examples", run.examples if run is not None else []),
     )
 
