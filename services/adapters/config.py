@@ -97,6 +97,15 @@ class PipelineConfig:
     stalled_after_s: float = 900.0  # a version with no progress this long is re-enqueued by the sweeper
     retired_window_s: float = 86_400.0  # how long a deleted adapter's content id stays in the retired set
     accepted_base_names: tuple[str, ...] = ()  # extra base_model_name_or_path values accepted as ours
+    # Storage hygiene (services.adapters.retention, docs/adapters.md "Storage"): files of rejected versions and
+    # of deleted adapters are removed this long after the rejection / deletion (a rejected version can be
+    # overridden until then), objects no version references after a grace period that covers an upload's
+    # write-then-commit, and leftover temporary files / sandboxes after the longest upload or ingest.
+    rejected_retention_s: float = 7 * 86_400.0
+    deleted_retention_s: float = 7 * 86_400.0
+    orphan_grace_s: float = 3_600.0
+    staging_max_age_s: float = 6 * 3_600.0
+    storage_quota_bytes: int = 10 << 30  # per tenant, unless its tenant_limits row says otherwise
 
     def __post_init__(self) -> None:
         if self.serve_weight_dtype not in ("auto", "fp8"):
@@ -109,6 +118,10 @@ class PipelineConfig:
             raise ValueError("eval-set caps must be > 0, max_eval_attempts and max_deliveries >= 1")
         if self.stalled_after_s <= 0 or self.retired_window_s <= 0:
             raise ValueError("stalled_after_s and retired_window_s must be > 0")
+        if min(self.rejected_retention_s, self.deleted_retention_s, self.orphan_grace_s, self.staging_max_age_s) < 0:
+            raise ValueError("retention periods and grace times must be >= 0")
+        if self.storage_quota_bytes < 0:
+            raise ValueError("storage_quota_bytes must be >= 0")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> PipelineConfig:

@@ -5,6 +5,7 @@ subprocesses on the test Postgres and Redis) serving the trained demo kit:
   through the gateway (OpenAI SDK), token for token what the engine itself answers with the kit's files;
 - an untrained (random) adapter is rejected by the quality gate, with reasons and the per-example outputs;
 - without an eval set, a harmless adapter goes ready and a damaging one is refused (no-regression check);
+- beat's storage collection, run by the worker, removes expired files and keeps files a ready version shares;
 - the malicious corpus is refused case by case with its code; the worker never crashes; nothing is written
   outside the sandbox;
 - a new version of a name never serves the old version's KV; rollback serves the old one again; deleting the
@@ -22,6 +23,7 @@ import re
 import signal
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,7 @@ import psutil
 import pytest
 import redis
 from openai import OpenAI
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from services.common.db import make_sessionmaker
 from services.common.lora_format import content_id, read_config
@@ -255,6 +257,57 @@ def test_without_an_eval_set_a_harmless_adapter_goes_ready_and_a_damaging_one_is
     assert bad["status"] == "rejected" and bad["reasons"][0]["code"] == "regression_over_tolerance"
     assert {r["code"] for r in bad["reasons"]} == {r["code"] for r in bad["eval"]["reasons"] if not r["passed"]}
     assert len(bad["eval"]["reasons"]) == 4 and bad["eval"]["metrics"]["regression"]["mean_drop"] > 0.5
+
+
+def test_beat_s_storage_collection_on_the_worker_removes_expired_files_and_keeps_shared_ones(
+        stack, admin, people, factory, demo_kit, settings, tmp_path):
+    """What beat runs hourly (`adapters.ingest.collect_storage`), sent to the real worker: a hostile upload and a
+    rejected version past their retention lose their files; the rejected version's files are kept because a
+    ready version has the same bytes (its eval set, its own, goes)."""
+    from services.adapters.tasks import collect_storage
+    from services.common.models import AdapterStatus
+    from services.modelkit import make_random_adapter
+
+    harmless = make_random_adapter(demo_kit.base_dir, tmp_path / "keep", rank=8, seed=4242, init_scale=0.02,
+                                   target_modules=("q_proj", "v_proj"))
+    ready = upload_dir(admin, people["tenant"].id, "kept-files", harmless)
+    # The same files with a task eval set they cannot pass (a harmless adapter does not reverse words); one of
+    # its own bytes (other tests upload the kit's reverse set, whose object is shared and so stays).
+    task_set = Path(demo_kit.adapters["reverse"].eval_path).read_bytes() + \
+        json.dumps({"prompt": f"Reverse the words: {uuid.uuid4().hex}", "expected": "x"}).encode() + b"\n"
+    rejected = upload_dir(admin, people["tenant"].id, "kept-files-task", harmless, task_set)
+    r = admin.post(f"/api/admin/tenants/{people['tenant'].id}/adapters", data={"name": "hostile-expired"},
+                   files=[("file", ("a.tar", _hostile_tar(), "application/x-tar"))])
+    hostile = r.json()
+    assert [wait_final(factory, x["version_id"]) for x in (ready, rejected, hostile)] == ["ready", "rejected", "rejected"]
+    vr, vx, vh = (_version(factory, x["version_id"]) for x in (ready, rejected, hostile))
+    assert vr.storage_uri == vx.storage_uri and vh.storage_uri.split("/")[-2] == "uploads"
+    with factory() as s:  # eight days later (the worker's retention is the default, seven)
+        s.execute(update(AdapterVersion).where(AdapterVersion.id.in_([vx.id, vh.id]))
+                  .values(updated_at=datetime.now(timezone.utc) - timedelta(days=8)))
+        s.commit()
+    collect_storage.apply_async()
+    _until(lambda: all(_version(factory, v.id).objects_purged_at is not None for v in (vx, vh)), timeout=60)
+    local = lambda uri: Path(uri.removeprefix("file://"))  # noqa: E731
+    assert not local(vh.storage_uri).exists() and not local(vx.eval_set_uri).exists()
+    assert (local(vr.storage_uri) / "adapter_model.safetensors").exists()  # shared with the ready version
+    assert _version(factory, vr.id).objects_purged_at is None and _version(factory, vr.id).status == AdapterStatus.READY
+    collect_storage.apply_async()  # again: nothing more to do, nothing kept is touched
+    time.sleep(2)
+    assert (local(vr.storage_uri) / "adapter_model.safetensors").exists()
+
+
+def _hostile_tar() -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"import os\n"
+        info = tarfile.TarInfo("setup.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def test_the_malicious_corpus_is_refused_by_the_worker_code_by_code(stack, admin, people, factory, demo_kit, stack_env):

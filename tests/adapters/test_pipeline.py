@@ -15,8 +15,6 @@ from sqlalchemy import func, select, update
 from services.adapters.config import GateDefaults, PipelineConfig
 from services.adapters.pipeline import (
     RETIRED_KEY,
-    InlineEnqueue,
-    Runtime,
     abandon,
     count_delivery,
     load_eval_items,
@@ -26,10 +24,9 @@ from services.adapters.pipeline import (
     sync_retired,
 )
 from services.adapters.base_model import ensure_base_model
-from services.adapters.storage import ObjectStore, files_sha256
+from services.adapters.storage import files_sha256
 from services.common.lora_format import content_id
 from services.adapters.upload import pack_dir, upload_adapter
-from services.common.db import make_sessionmaker
 from services.common.models import (
     Adapter,
     AdapterStatus,
@@ -41,12 +38,11 @@ from services.common.models import (
 )
 from services.gateway import crud
 from tests.adapters.corpus import adapter_tar, good_config, good_weights
-from tests.adapters.helpers import eval_jsonl, greedy_texts
+from tests.adapters.helpers import ACTOR, eval_jsonl, greedy_texts, runs, upload, version
 from tests.adapters.tinymodel import WORDS, write_adapter
 from tests.factories import make_tenant
 
 PROMPTS = [" ".join(WORDS[i:i + 3]) for i in range(0, 24, 3)]
-ACTOR = crud.Actor(user_id=None, via="test")
 
 
 @pytest.fixture(scope="module")
@@ -58,48 +54,6 @@ def tiny_adapters(tiny_base, tiny_dims, tmp_path_factory):
     base_only = greedy_texts(tiny_base, PROMPTS)
     assert with_adapter != base_only  # the adapter changes what the model says
     return {"strong": strong, "wins": eval_jsonl(PROMPTS, with_adapter), "loses": eval_jsonl(PROMPTS, base_only)}
-
-
-@pytest.fixture
-def runtime(settings, db_engine, tiny_base, tmp_path, service_urls) -> Runtime:
-    enqueue = InlineEnqueue()
-    rt = Runtime(
-        session_factory=make_sessionmaker(db_engine),
-        store=ObjectStore(str(tmp_path / "objects")),
-        config=PipelineConfig(gate=GateDefaults(max_examples=8, max_new_tokens=8, latency_samples=1)),
-        sandbox_root=tmp_path / "sandbox",
-        base_model_dir=tiny_base,
-        base_model_name="tiny-llama",
-        enqueue=enqueue,
-        redis=redis.Redis.from_url(service_urls.redis_url),
-    )
-    enqueue.runtime = rt
-    return rt
-
-
-def upload(rt: Runtime, tenant, name: str, adapter_dir: Path | None = None, *, data: bytes | None = None,
-           eval_set: bytes | None = None, **thresholds):
-    staging = rt.sandbox_root.parent / f"staging-{uuid.uuid4().hex[:6]}"
-    staging.mkdir(parents=True)
-    archive = pack_dir(adapter_dir, staging / "a.tar") if adapter_dir is not None else staging / "a.tar.gz"
-    if data is not None:
-        archive.write_bytes(data)
-    with rt.session_factory() as s:
-        base = ensure_base_model(s, name=rt.base_model_name, model_dir=rt.base_model_dir)
-        result = upload_adapter(s, store=rt.store, config=rt.config, sandbox_root=rt.sandbox_root, base=base,
-                                tenant_id=tenant.id, name=name, upload=archive, actor=ACTOR, eval_set=eval_set, **thresholds)
-        s.commit()
-    return result
-
-
-def version(rt: Runtime, version_id) -> AdapterVersion:
-    with rt.session_factory() as s:
-        return s.get(AdapterVersion, version_id)
-
-
-def runs(rt: Runtime, version_id) -> list[EvalRun]:
-    with rt.session_factory() as s:
-        return list(s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == version_id).order_by(EvalRun.attempt)))
 
 
 def test_a_good_adapter_becomes_ready_and_active(runtime, db, tiny_adapters):
