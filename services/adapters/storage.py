@@ -111,11 +111,12 @@ class ObjectStore:
         size = sum((adapter_dir / name).stat().st_size for name in ADAPTER_FILES)
         return StoredObject(content_id(adapter_dir), self.uri(f"adapters/{files_sha256(adapter_dir)}"), int(size))
 
-    def put_version(self, adapter_dir: Path) -> StoredObject:
+    def put_version(self, adapter_dir: Path, planned: StoredObject | None = None) -> StoredObject:
         """Store an adapter's two files under the hash of their bytes; returns its content id and URI.
-        Storing the same files again is a no-op."""
+        Storing the same files again is a no-op. `planned`: `plan_version`'s answer for these files (saves
+        hashing them twice)."""
         adapter_dir = Path(adapter_dir)
-        planned = self.plan_version(adapter_dir)
+        planned = planned or self.plan_version(adapter_dir)
         prefix = self.key_of(planned.uri)
         for name in ADAPTER_FILES:
             self._put_immutable(adapter_dir / name, f"{prefix}/{name}")
@@ -128,9 +129,9 @@ class ObjectStore:
         sha = file_sha256(path)
         return StoredObject(sha, self.uri(f"{kind}/{sha}{suffix}"), Path(path).stat().st_size)
 
-    def put_blob(self, path: Path, kind: str, suffix: str = "") -> StoredObject:
-        """Store a file under `<kind>/<sha256><suffix>` (uploads, eval sets)."""
-        planned = self.plan_blob(path, kind, suffix)
+    def put_blob(self, path: Path, kind: str, suffix: str = "", planned: StoredObject | None = None) -> StoredObject:
+        """Store a file under `<kind>/<sha256><suffix>` (uploads, eval sets); `planned` as in put_version."""
+        planned = planned or self.plan_blob(path, kind, suffix)
         self._put_immutable(Path(path), self.key_of(planned.uri))
         return planned
 

@@ -159,9 +159,10 @@ def upload_adapter(
         for obj in (planned, planned_eval):
             if obj is not None:
                 hold_object(session, obj.uri)  # until this transaction commits the version that references it
-        stored = store.put_version(files) if files is not None else store.put_blob(upload, "uploads", _raw_suffix(upload))
-        eval_uri = store.put_blob(sandbox / "eval.jsonl", "evalsets", ".jsonl").uri if planned_eval else None
-    assert stored.uri == planned.uri
+        # The files in the sandbox are the ones just hashed: the plan is their key (no second hashing pass).
+        stored = (store.put_version(files, planned) if files is not None
+                  else store.put_blob(upload, "uploads", _raw_suffix(upload), planned))
+        eval_uri = store.put_blob(sandbox / "eval.jsonl", "evalsets", ".jsonl", planned_eval).uri if planned_eval else None
 
     adapter = _live_adapter(session, tenant_id=tenant_id, name=name, base_model_id=base.id, actor=actor)
     versions = list(session.scalars(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
