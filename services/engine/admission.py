@@ -33,6 +33,7 @@ class LoadSnapshot:
     running: dict[str, int] = field(default_factory=dict)  # tenant key -> running sequences
     weights: dict[str, float] = field(default_factory=dict)  # tenant key -> weight (tenants with work)
     waiting: dict[tuple[int, str], int] = field(default_factory=dict)  # (class, tenant key) -> waiting
+    oldest: dict[tuple[int, str], float] = field(default_factory=dict)  # (class, tenant key) -> oldest arrival
     overloaded_until: float = 0.0
 
 
@@ -65,9 +66,11 @@ class LoadTracker:
             self._first_step_at = now
         tenants = scheduler.tenants
         waiting: dict[tuple[int, str], int] = {}
+        oldest: dict[tuple[int, str], float] = {}
         for prio, queue in scheduler.waiting.items():
             for key in queue.tenant_keys():
                 waiting[(int(prio), key)] = queue.count(key)
+                oldest[(int(prio), key)] = queue.oldest_arrival(key)
         if scheduler.blocked and any(c == int(Priority.INTERACTIVE) for c, _ in waiting):
             self.mark_overloaded(now)  # interactive work is waiting for seats or blocks
         self.snapshot = LoadSnapshot(
@@ -76,7 +79,7 @@ class LoadTracker:
             free_seats=self.config.max_num_seqs - scheduler.num_running,
             running={k: s.running for k, s in tenants.states.items()},
             weights={k: s.weight for k, s in tenants.states.items()},
-            waiting=waiting, overloaded_until=self._overloaded_until,
+            waiting=waiting, oldest=oldest, overloaded_until=self._overloaded_until,
         )
 
     # -- on the event loop -------------------------------------------------------------------------
@@ -106,11 +109,15 @@ class LoadTracker:
         seats_needed = ahead + 1 - snap.free_seats  # seats that must free up before it is seated
         if seats_needed <= 0:
             return prefill
+        # It will wait at least as long as the requests queued before it (its own tenant's, or everyone's
+        # under FCFS) have waited already: an observed lower bound that does not depend on the rate estimate.
+        now = time.monotonic()
+        waited = max((now - t for (c, k), t in snap.oldest.items() if c <= prio and (k == key or not fair)), default=0.0)
         if snap.finish_rate is None:
-            return None  # not observed long enough to tell
+            return waited + prefill if waited else None  # the rate is not observed long enough to tell
         if snap.finish_rate <= 0:
             return math.inf
-        return seats_needed / snap.finish_rate + prefill
+        return max(seats_needed / snap.finish_rate, waited) + prefill
 
     def check(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> None:
         """Raise EngineUnavailable (engine_overloaded, with Retry-After) if the request cannot meet its budget."""
@@ -119,7 +126,7 @@ class LoadTracker:
         if budget is None:
             return
         estimate = self.estimate_ttft(tenant, weight, priority, prompt_len)
-        if estimate is None or estimate <= budget:
+        if estimate is None or estimate <= budget * self.config.admission_headroom:
             return
         self.mark_overloaded(time.monotonic())
         wait = "no seat has freed up lately" if math.isinf(estimate) else f"the estimated wait is {estimate:.1f}s"

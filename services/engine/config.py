@@ -236,6 +236,9 @@ class SchedulerConfig:
     # `overload_window_s`), batch-class requests admitted get at most this many new tokens (reported).
     batch_max_tokens_under_overload: int | None = 256
     overload_window_s: float = 5.0
+    # A request is admitted when its estimated TTFT is within this fraction of its budget: the rest is
+    # for what the estimate does not see (the gateway's hop, prefill beside other work, estimate error).
+    admission_headroom: float = 0.6
 
     def __post_init__(self) -> None:
         if self.policy not in ("fair", "fcfs"):
@@ -243,6 +246,8 @@ class SchedulerConfig:
         for name in ("interactive_ttft_slo_s", "batch_ttft_slo_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 or None")
+        if not 0 < self.admission_headroom <= 1:
+            raise ConfigError("admission_headroom must be in (0, 1]")
         if self.batch_max_tokens_under_overload is not None and self.batch_max_tokens_under_overload <= 0:
             raise ConfigError("batch_max_tokens_under_overload must be > 0 or None")
         if self.max_num_seqs <= 0:

@@ -148,6 +148,11 @@ class WaitQueue:
     def tenant_keys(self) -> list[str]:
         return list(self._by_tenant)
 
+    def oldest_arrival(self, tenant_key: str) -> float | None:
+        """Arrival time (monotonic) of the tenant's longest-waiting request in this class."""
+        q = self._by_tenant.get(tenant_key)
+        return min(s.arrival_time for s in (q[0], q[-1])) if q else None  # a preempted one goes back to the front
+
     def count(self, tenant_key: str) -> int:
         q = self._by_tenant.get(tenant_key)
         return len(q) if q else 0
