@@ -209,21 +209,86 @@ function GateResults({ version }: { version: AdapterVersion }) {
           )}
         </>
       )}
-      {gate.examples.length > 0 && (
-        <details class="examples">
-          <summary>
-            {gate.examples.length} example{gate.examples.length === 1 ? "" : "s"} from the eval set
-          </summary>
-          <ol data-testid="gate-examples">
-            {gate.examples.slice(0, 20).map((ex, i) => (
-              <li key={i}>
-                <Example value={ex} />
-              </li>
-            ))}
-          </ol>
-        </details>
-      )}
+      {gate.examples.length > 0 && <Examples examples={gate.examples} />}
     </div>
+  );
+}
+
+interface SideBySide {
+  prompt: string;
+  expected: string;
+  base: string;
+  adapter: string;
+  base_score: number | null;
+  adapter_score: number | null;
+}
+
+/** The gate's examples in its own shape (services/adapters/gate.py), or null for anything else. */
+function sideBySide(ex: unknown): SideBySide | null {
+  if (!ex || typeof ex !== "object" || Array.isArray(ex)) return null;
+  const e = ex as Record<string, unknown>;
+  const text = (k: string) => (typeof e[k] === "string" ? (e[k] as string) : null);
+  const score = (k: string) => (typeof e[k] === "number" ? (e[k] as number) : null);
+  const [prompt, expected, base, adapter] = [text("prompt"), text("expected"), text("base"), text("adapter")];
+  if (prompt === null || expected === null || base === null || adapter === null) return null;
+  return { prompt, expected, base, adapter, base_score: score("base_score"), adapter_score: score("adapter_score") };
+}
+
+/** Prompt | expected | base | adapter in columns, so a difference is seen at a glance (cards on a phone). */
+function Examples({ examples }: { examples: unknown[] }) {
+  const shown = examples.slice(0, 20);
+  const rows = shown.map(sideBySide);
+  const plain = rows.some((r) => r === null);
+  return (
+    <details class="examples">
+      <summary data-testid="gate-examples-toggle">
+        {examples.length} example{examples.length === 1 ? "" : "s"} from the eval set{plain ? "" : ": prompt, expected, base, adapter"}
+      </summary>
+      {plain ? (
+        <ol data-testid="gate-examples">
+          {shown.map((ex, i) => (
+            <li key={i}>
+              <Example value={ex} />
+            </li>
+          ))}
+        </ol>
+      ) : (
+        <TableScroll label="Examples from the eval set" testid="gate-examples" class="examples-table stack-on-mobile">
+          <thead>
+            <tr>
+              <th scope="col">Prompt</th>
+              <th scope="col">Expected</th>
+              <th scope="col">Base model</th>
+              <th scope="col">Adapter</th>
+            </tr>
+          </thead>
+          <tbody>
+            {(rows as SideBySide[]).map((r, i) => (
+              <tr key={i} data-testid={`gate-example-${i}`}>
+                <td class="wrap" data-label="Prompt">
+                  <pre>{r.prompt}</pre>
+                </td>
+                <td class="wrap" data-label="Expected">
+                  <pre>{r.expected}</pre>
+                </td>
+                <td class="wrap" data-label="Base model">
+                  <pre>{r.base}</pre>
+                  {r.base_score !== null && <span class="muted small">score {formatMetric(r.base_score)}</span>}
+                </td>
+                <td class="wrap" data-label="Adapter">
+                  <pre>{r.adapter}</pre>
+                  {r.adapter_score !== null && (
+                    <span class={r.base_score !== null && r.adapter_score < r.base_score ? "small negative" : "muted small"}>
+                      score {formatMetric(r.adapter_score)}
+                    </span>
+                  )}
+                </td>
+              </tr>
+            ))}
+          </tbody>
+        </TableScroll>
+      )}
+    </details>
   );
 }
 
