@@ -165,3 +165,13 @@ def visit(page: Page, what: str) -> None:
     check_a11y(page, what)
     no_sideways_scroll(page)
     shot(page, what)
+
+
+def expected_http_error(page: Page, status: int, url_pattern: str) -> None:
+    """A refusal the test provoked on purpose (the API's contract: 404 for an unknown id, 409 for a conflict, 400
+    for bad input). Chromium logs every such response as a console error; drop exactly those lines, and require
+    that the refusal was seen, so any other console error still fails the test."""
+    pattern = re.compile(rf"status of {status} .*{url_pattern}")
+    matched = [p for p in page.problems if pattern.search(p)]
+    assert matched, f"expected a {status} from {url_pattern}; the browser saw: {page.problems}"
+    page.problems[:] = [p for p in page.problems if p not in matched]

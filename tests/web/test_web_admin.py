@@ -143,7 +143,9 @@ def test_a_pickled_upload_is_rejected_and_the_page_shows_why(page, web_stack, tm
     tid(page, "nav-tenants").click()
     tid(page, "tenant-adapters-demo").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Adapters of Demo Tenant")
+    tid(page, "adapters-search").fill(name)  # rejected adapters are collapsed until asked for; a search finds them
     card = tid(page, f"adapter-{name}")
     expect(card).to_contain_text("no active version")
+    tid(page, f"adapter-toggle-{name}").click()
     card.locator("[data-testid^='version-toggle-']").click()
     expect(card.get_by_test_id("rejection-reasons")).to_contain_text("pickle_file")

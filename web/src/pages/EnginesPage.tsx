@@ -266,14 +266,14 @@ function HistoryCharts({ history }: { history: EngineHistory[] }) {
 
 function MetricChart({ metric, history }: { metric: Metric; history: EngineHistory[] }) {
   const config = useMemo<ChartConfiguration>(() => {
-    const longest = history.reduce((a, h) => (h.samples.length > a.samples.length ? h : a), history[0]);
+    // Engines sample on their own clocks: plot against seconds before the newest sample, so lines line up in time.
+    const newest = Math.max(...history.flatMap((h) => h.samples.map((s) => Date.parse(s.ts))));
     return {
       type: "line",
       data: {
-        labels: longest.samples.map((s) => s.ts.slice(11, 19)),
         datasets: history.map((h, i) => ({
           label: h.id,
-          data: h.samples.map(metric.value),
+          data: h.samples.map((s) => ({ x: Math.round((Date.parse(s.ts) - newest) / 1000), y: metric.value(s) })),
           borderColor: PALETTE[i % PALETTE.length],
           backgroundColor: PALETTE[i % PALETTE.length],
           pointRadius: 0,
@@ -281,9 +281,9 @@ function MetricChart({ metric, history }: { metric: Metric; history: EngineHisto
         })),
       },
       options: {
-        interaction: { mode: "index", intersect: false },
+        interaction: { mode: "nearest", axis: "x", intersect: false },
         scales: {
-          x: { ticks: { maxRotation: 0, autoSkip: true, maxTicksLimit: 6 } },
+          x: { type: "linear", max: 0, title: { display: true, text: "seconds ago" }, ticks: { maxTicksLimit: 6, callback: (v) => `${-Number(v)}` } },
           y: { beginAtZero: true, title: { display: true, text: metric.unit }, ...(metric.id === "kv" ? { max: 100 } : {}) },
         },
         plugins: { legend: { display: history.length > 1 } },

@@ -1,7 +1,7 @@
 /** Live status of one adapter version, polled until it is ready or rejected. Admins pick which version is active
  * from the adapter's list and, in a separate danger zone, delete the adapter after confirming its name. */
 import type { ComponentChildren } from "preact";
-import { useEffect, useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import { ApiError } from "../api/client";
 import type { Adapter, AdapterVersion, AdminAdapter, VersionStatus } from "../api/types";
 import { Badge, isInFlight } from "../components/Badge";
@@ -90,7 +90,11 @@ export function VersionPage({ versionId }: { versionId: string }) {
     (s) => (admin && adapterId ? client.get<AdminAdapter>(`/api/admin/adapters/${encodeURIComponent(adapterId)}`, undefined, s) : Promise.resolve(null)),
     [adapterId, reloadToken, version?.status],
   );
-  const a = adapter.data;
+  // While the adapter reloads after a change, keep showing the last answer: the controls (and the message
+  // the change left) stay put instead of unmounting for a moment.
+  const last = useRef<AdminAdapter | null>(null);
+  if (adapter.data) last.current = adapter.data;
+  const a = adapter.data ?? (last.current?.id === adapterId ? last.current : null);
   const back = admin
     ? a
       ? { to: `/admin/tenants/${encodeURIComponent(a.tenant_id)}/adapters`, label: `Adapters of ${a.tenant_name}` }
