@@ -1,7 +1,7 @@
 /** A tenant's adapters as one table row each (search, status filter, pages; rejected ones collapsed), every version
  * one click away; refreshes while any version is in flight. Tenant roles see their own (/adapters); platform admins
  * open any tenant's (/admin/tenants/:id/adapters). */
-import { useMemo, useState } from "preact/hooks";
+import { useEffect, useMemo, useState } from "preact/hooks";
 import type { Adapter, AdapterVersion, AdminTenant, ListResponse } from "../api/types";
 import { Badge, isInFlight } from "../components/Badge";
 import { Link } from "../components/Link";
@@ -16,6 +16,21 @@ import { gateSummary as summarize } from "../lib/gate";
 import { useApi } from "../lib/useApi";
 
 export const PAGE_SIZE = 20;
+/** On a phone each adapter is a card several lines tall: fewer per page keeps a page a few screens long. */
+export const PHONE_PAGE_SIZE = 10;
+const PHONE = "(max-width: 640px)";
+
+function usePageSize(): number {
+  const query = typeof window.matchMedia === "function" ? window.matchMedia(PHONE) : null;
+  const [phone, setPhone] = useState(query?.matches ?? false);
+  useEffect(() => {
+    if (!query) return;
+    const update = () => setPhone(query.matches);
+    query.addEventListener("change", update);
+    return () => query.removeEventListener("change", update);
+  }, []);
+  return phone ? PHONE_PAGE_SIZE : PAGE_SIZE;
+}
 
 const STATUS_OPTIONS: { id: StatusFilter; label: string }[] = [
   { id: "all", label: "All (rejected collapsed)" },
@@ -33,6 +48,7 @@ export function AdaptersPage({ tenantId }: { tenantId?: string }) {
   const [showRejected, setShowRejected] = useState(false);
   const [page, setPage] = useState(1);
   const [open, setOpen] = useState<string | null>(null);
+  const pageSize = usePageSize();
   const path = tenantId ? `/api/admin/tenants/${encodeURIComponent(tenantId)}/adapters` : "/api/tenant/adapters";
   const adapters = useApi(
     async (s) => {
@@ -51,7 +67,7 @@ export function AdaptersPage({ tenantId }: { tenantId?: string }) {
   const versionsBase = tenantId ? "/admin/versions" : "/adapters/versions";
   const all = adapters.data?.data ?? [];
   const list = useMemo(() => adapterRows(all, { query, status, showRejected }), [all, query, status, showRejected]);
-  const shown = paginate(list.rows, page, PAGE_SIZE);
+  const shown = paginate(list.rows, page, pageSize);
   const filtering = (fn: () => void) => {
     fn();
     setPage(1);

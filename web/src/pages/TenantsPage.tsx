@@ -197,7 +197,7 @@ function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged
   const [panel, setPanel] = useState<{ id: string; kind: PanelKind } | null>(null);
   const toggle = (id: string, kind: PanelKind) => setPanel(panel && panel.id === id && panel.kind === kind ? null : { id, kind });
   return (
-    <TableScroll label="Tenants" testid="tenants-table">
+    <TableScroll label="Tenants" testid="tenants-table" class="stack-on-mobile">
       <thead>
         <tr>
           <th scope="col">Tenant</th>
@@ -220,16 +220,16 @@ function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged
                 {t.name}
                 <div class="muted small mono">{t.slug}</div>
               </th>
-              <td data-testid={`tenant-plan-${t.slug}`}>{t.plan}</td>
-              <td>
+              <td data-label="Plan" data-testid={`tenant-plan-${t.slug}`}>{t.plan}</td>
+              <td data-label="Status">
                 <Badge text={t.status} testid={`tenant-status-${t.slug}`} />
               </td>
-              <td class="small limits-cell wrap">{limitsSummary(t)}</td>
-              <td class="num">{formatInt(t.usage_this_month_tokens)}</td>
-              <td class="num" data-testid={`tenant-billed-${t.slug}`} data-microusd={String(t.billed_this_month_microusd)}>
+              <td class="small limits-cell wrap" data-label="Limits">{limitsSummary(t)}</td>
+              <td class="num" data-label="Tokens this month">{formatInt(t.usage_this_month_tokens)}</td>
+              <td class="num" data-label="Billed this month" data-testid={`tenant-billed-${t.slug}`} data-microusd={String(t.billed_this_month_microusd)}>
                 {formatUsd(t.billed_this_month_microusd)}
               </td>
-              <td class="num">
+              <td class="num" data-label="Users">
                 <button
                   type="button"
                   class="link-btn"
