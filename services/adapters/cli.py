@@ -166,6 +166,14 @@ def sync_retired_cmd() -> None:
     typer.echo(f"{sync_retired_adapters()} retired content ids")
 
 
+@app.command("collect-storage")
+def collect_storage_cmd() -> None:
+    """Remove files past their retention, unreferenced objects and stale temporary files (beat: hourly)."""
+    from services.adapters.tasks import collect_storage
+
+    typer.echo(json.dumps(collect_storage()))
+
+
 @app.command()
 def sweep() -> None:
     """Re-enqueue versions whose pipeline task was lost (beat does it every minute)."""

@@ -1,51 +1,34 @@
-"""The quality gate: an adapter is served only if, on its eval set, it beats the base model by a margin
-and stays faithful when served on the FP8 base.
+"""The quality gate: an adapter is served only if it does what its eval set asks (or, without one, does not
+damage what the base model does well), produces well-formed output, and stays faithful when served on the
+FP8 base.
 
 Three greedy runs over the same items, with the engine library (CPU or GPU):
   adapter   the adapter on the base as engines serve it (FP8 weights when `serve_weight_dtype="fp8"`)
   base      the same served base without the adapter (same batch: base rows ride along)
   full      the adapter on the full-precision base
-Scores: exact match, token F1 and ROUGE-L of each run against `expected`; greedy token agreement of
-`adapter` with `full`; a latency sample (single requests with and without the adapter). The decision:
-score(adapter) - score(base) >= min_margin in the configured metric AND agreement >= min_fp8_agreement.
+Scores: exact match, token F1 and ROUGE-L of each run against `expected`; the paired per-item drop from
+base to adapter (base-capability sets); malformed outputs (empty, undecodable, looping) and degenerate
+logits (NaN/Inf or flat) of the adapter run; greedy token agreement of `adapter` with `full`; a latency
+sample (single requests with and without the adapter). The verdict is services.adapters.checks.decide.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.adapters.config import GATE_METRICS, GateDefaults
+from services.adapters.checks import NO_REGRESSION, QUALITY_CHECKS, Thresholds, decide, regression
 from services.adapters.evalset import EvalItem
-from services.adapters.scoring import SCORERS, mean, token_agreement
+from services.adapters.scoring import SCORERS, malformation, mean, token_agreement
 from services.common.lora_format import AdapterFormatError
 
 log = logging.getLogger("mplex.adapters.gate")
 
 Progress = Callable[[float, str], None]  # (fraction 0..1 of the gate's work, step)
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    metric: str
-    min_margin: float
-    min_fp8_agreement: float
-
-    def __post_init__(self) -> None:
-        if self.metric not in GATE_METRICS:
-            raise ValueError(f"metric must be one of {GATE_METRICS}")
-
-    @classmethod
-    def from_config(cls, gate_config: dict[str, Any] | None, defaults: GateDefaults) -> Thresholds:
-        merged = defaults.thresholds(**{k: v for k, v in (gate_config or {}).items()
-                                        if k in ("metric", "min_margin", "min_fp8_agreement")})
-        return cls(merged["metric"], float(merged["min_margin"]), float(merged["min_fp8_agreement"]))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "min_margin": self.min_margin, "min_fp8_agreement": self.min_fp8_agreement}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,25 +52,10 @@ class GateError(RuntimeError):
 class _Run:
     texts: list[str]
     token_ids: list[list[int]]
+    degenerate: list[int]  # per output: generated tokens whose logits were NaN/Inf or flat
 
 
-def decide(metrics: dict[str, Any], t: Thresholds) -> tuple[bool, list[dict[str, Any]]]:
-    """The verdict from the metrics: both checks are always reported, failing ones make the decision."""
-    a, b = metrics["adapter"][t.metric], metrics["base"][t.metric]
-    delta = a - b
-    agree = metrics["fp8_token_agreement"]
-    margin_ok = delta >= t.min_margin
-    fp8_ok = agree >= t.min_fp8_agreement
-    reasons = [
-        {"code": "margin_ok" if margin_ok else "margin_below_threshold", "passed": margin_ok,
-         "message": (f"{t.metric}: adapter {a:.3f} vs base {b:.3f} (+{delta:.3f})" if margin_ok else
-                     f"{t.metric}: adapter {a:.3f} vs base {b:.3f}; it must beat the base by at least "
-                     f"{t.min_margin:.3f} (got {delta:+.3f})")},
-        {"code": "fp8_agreement_ok" if fp8_ok else "fp8_agreement_below_threshold", "passed": fp8_ok,
-         "message": (f"served ({metrics['served_weight_dtype']}) vs full precision: {agree:.3f} of greedy tokens agree"
-                     + ("" if fp8_ok else f"; at least {t.min_fp8_agreement:.3f} is required"))},
-    ]
-    return margin_ok and fp8_ok, reasons
+__all__ = ["GateError", "GateResult", "GateRunner", "Thresholds", "decide"]
 
 
 class GateRunner:
@@ -134,11 +102,16 @@ class GateRunner:
         return self.builder.text_ids("\n".join(c for _, c in item.messages))
 
     def run(self, adapter_uri: str | Path, content_id: str, items: list[EvalItem], thresholds: Thresholds, *,
-            max_new_tokens: int, latency_samples: int = 3, progress: Progress | None = None) -> GateResult:
+            check: str, max_new_tokens: int, latency_samples: int = 3, min_items: int = 1,
+            progress: Progress | None = None) -> GateResult:
         """Score the adapter at `adapter_uri` (a directory, or an object-store URI the engine fetches as it
-        would when serving) on `items`; the engine checks the files hash to `content_id`."""
+        would when serving) on `items` and judge it with the quality `check` (`margin` on a task eval set,
+        `no_regression` on a base-capability set); the engine checks the files hash to `content_id`.
+        Fewer than `min_items` items that fit the context is a GateError (the set cannot judge)."""
         from services.engine.sequence import AdapterRef
 
+        if check not in QUALITY_CHECKS:
+            raise ValueError(f"check must be one of {QUALITY_CHECKS}")
         progress = progress or (lambda f, s: None)
         ref = AdapterRef(content_id, f"candidate-{content_id[:12]}", str(adapter_uri))
         served = self._engine(self.serve_weight_dtype)
@@ -148,6 +121,8 @@ class GateRunner:
         usable = [i for i, p in enumerate(prompts) if len(p) < limit - 1]
         if not usable:
             raise AdapterFormatError("eval_set_too_long", f"no eval item fits the model's context of {limit} tokens")
+        if len(usable) < min_items:
+            raise GateError(f"only {len(usable)} eval items fit the model's context; this check needs {min_items}")
         skipped = len(items) - len(usable)
         items = [items[i] for i in usable]
         prompts = [prompts[i] for i in usable]
@@ -164,28 +139,31 @@ class GateRunner:
         finally:
             for engine in {id(served): served, id(full): full}.values():
                 self._drop_adapter(engine, content_id)
-        metrics = self._metrics(items, adapter, base, full_run, latency)
+        metrics = self._metrics(items, adapter, base, full_run, latency, check=check, thresholds=thresholds)
         metrics["n_examples"] = len(items)
         metrics["n_skipped"] = skipped  # longer than the model's context
         passed, reasons = decide(metrics, thresholds)
-        examples = [self._example(item, adapter.texts[i], base.texts[i], full_run.texts[i], thresholds.metric)
-                    for i, item in enumerate(items)]
+        examples = [self._example(item, i, adapter, base, full_run, thresholds.metric) for i, item in enumerate(items)]
         progress(1.0, "decided")
         return GateResult(passed, metrics, thresholds.as_dict(), reasons, examples)
 
     def _generate(self, engine, prompts: list[list[int]], budgets: list[int], refs: list, on_progress) -> list[_Run]:
-        """Greedy outputs of every prompt under each of `refs` (None = the base), in one continuous batch."""
+        """Greedy outputs of every prompt under each of `refs` (None = the base), in one continuous batch.
+        Each token's logprob comes back too: a NaN/Inf one, or one at -ln(vocab) (greedy picked from a flat,
+        uniform distribution: the logits carry nothing), marks degenerate logits."""
         from services.engine.sequence import SamplingParams
 
         tag = f"gate-{time.monotonic_ns()}"
         texts: dict[str, list[str]] = {}
         ids: dict[str, list[int]] = {}
+        degenerate: dict[str, int] = {}
+        flat = -math.log(engine.model.config.vocab_size) + 1e-4
         order = []
         for k, ref in enumerate(refs):
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 rid = f"{tag}-{k}-{i}"
-                engine.add_request(rid, prompt, SamplingParams(max_tokens=budget, temperature=0.0), adapter=ref)
-                texts[rid], ids[rid] = [], []
+                engine.add_request(rid, prompt, SamplingParams(max_tokens=budget, temperature=0.0, logprobs=0), adapter=ref)
+                texts[rid], ids[rid], degenerate[rid] = [], [], 0
                 order.append(rid)
         total, done = len(order), 0
         while engine.has_unfinished():
@@ -196,6 +174,7 @@ class GateRunner:
                     raise AdapterFormatError(out.error.code or "load_failed", out.error.message)
                 texts[out.request_id].append(out.new_text)
                 ids[out.request_id].extend(out.new_token_ids)
+                degenerate[out.request_id] += sum(1 for lp in out.logprobs or () if not math.isfinite(lp.logprob) or lp.logprob <= flat)
                 if out.finished:
                     done += 1
                     on_progress(done / total)
@@ -203,8 +182,8 @@ class GateRunner:
                 engine.wake.wait(0.05)  # an adapter load in flight
                 engine.wake.clear()
         n = len(prompts)
-        return [_Run(["".join(texts[rid]) for rid in order[k * n:(k + 1) * n]], [ids[rid] for rid in order[k * n:(k + 1) * n]])
-                for k in range(len(refs))]
+        return [_Run(["".join(texts[rid]) for rid in rows], [ids[rid] for rid in rows], [degenerate[rid] for rid in rows])
+                for rows in (order[k * n:(k + 1) * n] for k in range(len(refs)))]
 
     def _latency(self, engine, prompts: list[list[int]], budgets: list[int], ref) -> dict[str, float]:
         """Single requests, one at a time, with and without the adapter (the adapter is host-resident by now)."""
@@ -224,27 +203,60 @@ class GateRunner:
         out["adapter_overhead"] = round(out["adapter_ms_per_token"] / out["base_ms_per_token"], 3) if out["base_ms_per_token"] else 0.0
         return out
 
-    def _metrics(self, items: list[EvalItem], adapter: _Run, base: _Run, full: _Run, latency: dict[str, float]) -> dict[str, Any]:
-        def scores(run: _Run) -> dict[str, float]:
-            return {name: round(mean([fn(out, item.expected) for out, item in zip(run.texts, items)]), 4)
-                    for name, fn in SCORERS.items()}
+    def _metrics(self, items: list[EvalItem], adapter: _Run, base: _Run, full: _Run, latency: dict[str, float], *,
+                 check: str, thresholds: Thresholds) -> dict[str, Any]:
+        def per_item(run: _Run, fn) -> list[float]:
+            return [fn(out, item.expected) for out, item in zip(run.texts, items)]
 
-        return {
+        def scores(run: _Run) -> dict[str, float]:
+            return {name: round(mean(per_item(run, fn)), 4) for name, fn in SCORERS.items()}
+
+        metrics = {
+            "check": check,
             "adapter": scores(adapter),
             "base": scores(base),
             "full_precision": scores(full),
+            "malformed": self._malformed(items, adapter, base),
+            "degenerate_logits": {"tokens": sum(adapter.degenerate), "outputs": sum(1 for d in adapter.degenerate if d),
+                                  "checked": sum(len(t) for t in adapter.token_ids)},
             "fp8_token_agreement": round(token_agreement(adapter.token_ids, full.token_ids), 4),
             "fp8_exact_output_match": round(mean([float(a == b) for a, b in zip(adapter.texts, full.texts)]), 4),
             "served_weight_dtype": self.serve_weight_dtype,
             "latency": latency,
         }
+        if check == NO_REGRESSION:
+            fn = SCORERS[thresholds.metric]
+            metrics["regression"] = regression(per_item(adapter, fn), per_item(base, fn),
+                                               confidence=thresholds.regression_confidence).as_dict()
+        return metrics
 
     @staticmethod
-    def _example(item: EvalItem, adapter: str, base: str, full: str, metric: str) -> dict[str, Any]:
+    def _malformed(items: list[EvalItem], adapter: _Run, base: _Run) -> dict[str, Any]:
+        """Outputs of the adapter that are malformed where the base's output for the same item is not (a base
+        that already loops on an item does not count against the adapter)."""
+        kinds = {"empty": 0, "undecodable": 0, "repetition": 0}
+        base_total = adapter_total = 0
+        for i, item in enumerate(items):
+            a = malformation(adapter.texts[i], adapter.token_ids[i], item.expected)
+            b = malformation(base.texts[i], base.token_ids[i], item.expected)
+            adapter_total += a is not None
+            base_total += b is not None
+            if a is not None and b is None:
+                kinds[a] += 1
+        count = sum(kinds.values())
+        return {"count": count, "rate": round(count / len(items), 4) if items else 0.0, **kinds,
+                "adapter_total": adapter_total, "base_total": base_total}
+
+    @staticmethod
+    def _example(item: EvalItem, i: int, adapter: _Run, base: _Run, full: _Run, metric: str) -> dict[str, Any]:
         score = SCORERS[metric]
-        return {"prompt": item.prompt, "expected": item.expected, "adapter": adapter, "base": base,
-                "full_precision": full, "adapter_score": round(score(adapter, item.expected), 4),
-                "base_score": round(score(base, item.expected), 4)}
+        out = {"prompt": item.prompt, "expected": item.expected, "adapter": adapter.texts[i], "base": base.texts[i],
+               "full_precision": full.texts[i], "adapter_score": round(score(adapter.texts[i], item.expected), 4),
+               "base_score": round(score(base.texts[i], item.expected), 4)}
+        malformed = malformation(adapter.texts[i], adapter.token_ids[i], item.expected)
+        if malformed is not None:
+            out["adapter_malformed"] = malformed
+        return out
 
     @staticmethod
     def _drop_adapter(engine, content_id: str) -> None:

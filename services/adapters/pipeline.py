@@ -24,8 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.adapters.base_model import BaseModel, ensure_base_model, load_base_model
 from services.adapters.config import PipelineConfig
+from services.adapters.checks import MARGIN, NO_REGRESSION
 from services.adapters.evalset import DEFAULT_EVAL_SET, EvalItem, parse_eval_set, read_eval_file, sample
-from services.adapters.gate import GateResult, GateRunner, Thresholds
+from services.adapters.gate import GateError, GateResult, GateRunner, Thresholds
 from services.adapters.storage import ObjectStore
 from services.adapters.upload import private_dir
 from services.adapters.validate import ValidatedAdapter, reason, validate_dir, validate_upload
@@ -188,12 +189,11 @@ def evaluate_version(rt: Runtime, version_id: uuid.UUID, attempt: int = 1, *, ta
         run.task_id, run.started_at = task_id, _now()  # a redelivery restarts the same attempt
         s.commit()
         run_id = run.id
-        uri, sha, gate_config, eval_uri, adapter_id = v.storage_uri, v.content_sha256, v.gate_config, v.eval_set_uri, v.adapter_id
-        adapter_name = s.scalar(select(Adapter.name).where(Adapter.id == adapter_id))
+        uri, sha, gate_config, eval_uri = v.storage_uri, v.content_sha256, v.gate_config, v.eval_set_uri
 
     set_progress(rt, version_id, EVALUATING, 45, "evaluating: loading the eval set")
     try:
-        items, source = load_eval_items(rt, eval_uri=eval_uri, content_sha=sha, adapter_name=adapter_name)
+        plan = load_eval_items(rt, eval_uri=eval_uri, content_sha=sha)
         thresholds = Thresholds.from_config(gate_config, rt.config.gate)
 
         last = [45]
@@ -204,9 +204,10 @@ def evaluate_version(rt: Runtime, version_id: uuid.UUID, attempt: int = 1, *, ta
                 last[0] = percent
                 set_progress(rt, version_id, EVALUATING, percent, step)
 
-        result = rt.gate().run(uri, sha, items, thresholds, max_new_tokens=rt.config.gate.max_new_tokens,
+        result = rt.gate().run(uri, sha, plan.items, thresholds, check=plan.check, min_items=plan.min_items,
+                               max_new_tokens=rt.config.gate.max_new_tokens,
                                latency_samples=rt.config.gate.latency_samples, progress=progress)
-        result.metrics["eval_set"] = source
+        result.metrics["eval_set"] = plan.source
     except AdapterFormatError as exc:  # the engine refused to load it: a verdict, not a failure of the run
         return _finish(rt, version_id, run_id, attempt, None, refusal=reason(exc))
     except Exception as exc:
@@ -223,21 +224,43 @@ def evaluate_version(rt: Runtime, version_id: uuid.UUID, attempt: int = 1, *, ta
         return _fail_run(rt, version_id, run_id, attempt, exc)
 
 
-def load_eval_items(rt: Runtime, *, eval_uri: str | None, content_sha: str, adapter_name: str | None) -> tuple[list[EvalItem], str]:
-    """The tenant's eval set; else the demo kit's set for this adapter's task (same content or same name);
-    else the platform's generic default. Sampled deterministically (seeded by the content id)."""
-    n = rt.config.gate.max_examples
+@dataclass(frozen=True, slots=True)
+class EvalPlan:
+    """What the gate runs on and how it judges: a task eval set with the margin check, or the base-capability
+    set with the no-regression check."""
+
+    items: list[EvalItem]
+    source: str  # "tenant" | "demo:<task>" | "default" (the base-capability set, bundled or configured)
+    check: str  # MARGIN | NO_REGRESSION
+    min_items: int = 1
+
+
+def load_eval_items(rt: Runtime, *, eval_uri: str | None, content_sha: str) -> EvalPlan:
+    """The tenant's eval set (margin); else, for one of the demo kit's own adapters (by content id) when the
+    platform serves the demo kit, that adapter's task set (margin); else the base-capability set
+    (no-regression): `base_eval_set` if configured, else the bundled one. Sampled deterministically (seeded
+    by the content id)."""
+    gate = rt.config.gate
     if eval_uri:
         data = rt.store.read_bytes(eval_uri, max_bytes=rt.config.max_eval_set_bytes)
-        return sample(parse_eval_set(data, max_items=rt.config.max_eval_items), n, seed=content_sha), "tenant"
-    demo = _demo_eval_path(rt, content_sha, adapter_name)
+        items = parse_eval_set(data, max_items=rt.config.max_eval_items)
+        return EvalPlan(sample(items, gate.max_examples, seed=content_sha), "tenant", MARGIN)
+    demo = _demo_eval_path(rt, content_sha)
     if demo is not None:
-        return sample(read_eval_file(demo[1]), n, seed=content_sha), f"demo:{demo[0]}"
-    return sample(read_eval_file(DEFAULT_EVAL_SET), n, seed=content_sha), "default"
+        return EvalPlan(sample(read_eval_file(demo[1]), gate.max_examples, seed=content_sha), f"demo:{demo[0]}", MARGIN)
+    path = Path(gate.base_eval_set) if gate.base_eval_set else DEFAULT_EVAL_SET
+    items = read_eval_file(path)
+    if len(items) < gate.min_base_examples:
+        raise GateError(f"the base-capability set {path} has {len(items)} items; the no-regression check needs at "
+                        f"least {gate.min_base_examples}")
+    return EvalPlan(sample(items, gate.base_max_examples, seed=content_sha), "default", NO_REGRESSION,
+                    min_items=gate.min_base_examples)
 
 
-def _demo_eval_path(rt: Runtime, content_sha: str, adapter_name: str | None) -> tuple[str, Path] | None:
-    """Only when the platform serves the demo kit's base model (built already: it is what is served)."""
+def _demo_eval_path(rt: Runtime, content_sha: str) -> tuple[str, Path] | None:
+    """One of the demo kit's adapters, recognised by content id (never by name: a tenant's adapter called
+    "sort" is not the sort adapter), and only when the platform serves the demo kit's base model (built
+    already: it is what is served)."""
     if rt.demo_kit_home is None:
         return None
     demo_root = (Path(rt.demo_kit_home) / "models" / "demo").resolve()
@@ -254,7 +277,7 @@ def _demo_eval_path(rt: Runtime, content_sha: str, adapter_name: str | None) -> 
             by_content[content_id(Path(demo.path))] = demo
         except AdapterFormatError:
             continue
-    demo = by_content.get(content_sha) or kit.adapters.get(adapter_name or "")
+    demo = by_content.get(content_sha)
     return (demo.task, Path(demo.eval_path)) if demo is not None else None
 
 

@@ -1,4 +1,5 @@
-"""Scores for the quality gate: exact match, token F1, ROUGE-L, and greedy token agreement.
+"""Scores for the quality gate: exact match, token F1, ROUGE-L, greedy token agreement, and what makes an
+output malformed (empty, undecodable, stuck repeating).
 
 Text is compared as word/punctuation tokens, case-sensitively (an "uppercase" adapter must not get
 credit for lowercase answers), after trimming surrounding whitespace.
@@ -71,3 +72,37 @@ def token_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> f
 
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+# -- well-formedness ------------------------------------------------------------------------------------------
+REPLACEMENT_CHAR = "\ufffd"  # what the detokenizer emits for bytes that are not UTF-8
+LOOP_MAX_PERIOD = 8  # a loop of up to this many tokens ...
+LOOP_MIN_REPEATS = 4  # ... repeated at least this often in a row ...
+LOOP_MIN_TOKENS = 16  # ... over at least this many tokens, at the end of the output
+
+
+def trailing_loop(token_ids: Sequence[int]) -> int:
+    """How many tokens at the end of the output are one short cycle repeated (0 if none is long enough).
+    "the the the ..." or "ab ab ab ..." running into the token limit is the signature of a broken model."""
+    n = len(token_ids)
+    best = 0
+    for period in range(1, min(LOOP_MAX_PERIOD, n // LOOP_MIN_REPEATS) + 1):
+        unit = list(token_ids[n - period:])
+        reps = 1
+        while (reps + 1) * period <= n and list(token_ids[n - (reps + 1) * period: n - reps * period]) == unit:
+            reps += 1
+        if reps >= LOOP_MIN_REPEATS and reps * period >= LOOP_MIN_TOKENS:
+            best = max(best, reps * period)
+    return best
+
+
+def malformation(text: str, token_ids: Sequence[int], expected: str) -> str | None:
+    """Why an output is malformed ("empty", "undecodable", "repetition"), or None. An output the eval item
+    itself asks for (an empty or replacement-character `expected`) is not held against it."""
+    if not text.strip() and expected.strip():
+        return "empty"
+    if REPLACEMENT_CHAR in text and REPLACEMENT_CHAR not in expected:
+        return "undecodable"
+    if trailing_loop(token_ids):
+        return "repetition"
+    return None

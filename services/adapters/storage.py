@@ -11,6 +11,10 @@ Objects are immutable: a key is written once (to a temporary name, then renamed 
 and never overwritten with different bytes. Engines read a version's prefix directly (local paths) or copy
 it once into their cache (remote URLs), and identify what they load by its content id.
 
+Objects are shared: two versions (of one tenant or of two) with the same bytes have the same key. Whether an
+object may be removed is therefore decided by the database (which versions still reference it), never by
+its path: services.adapters.retention lists and deletes through this class.
+
 Why the key is not the content id: `lora_format.content_id` hashes the weights and only the config fields
 that change outputs (the engines' KV and cache identity), so two uploads may share a content id while their
 configs differ elsewhere (an `auto_map`, another `base_model_name_or_path`, other `target_modules`).
@@ -40,6 +44,18 @@ class StoredObject:
     sha256: str  # the adapter's content id for versions; the bytes' sha256 for blobs
     uri: str
     size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object as listed: a version's prefix (its files together) or a blob."""
+
+    uri: str
+    size_bytes: int
+    modified: float  # UNIX time of its newest file
+
+
+TMP_PREFIX = ".tmp-"  # a write in progress (or one whose writer died before its rename)
 
 
 def file_sha256(path: Path) -> str:
@@ -89,25 +105,35 @@ class ObjectStore:
         return f"{self.root}/{key}"
 
     # -- writes ----------------------------------------------------------------------------------------------
-    def put_version(self, adapter_dir: Path) -> StoredObject:
-        """Store an adapter's two files under the hash of their bytes; returns its content id and URI.
-        Storing the same files again is a no-op."""
+    def plan_version(self, adapter_dir: Path) -> StoredObject:
+        """Where `put_version` would store these files, and how many bytes they take (nothing is written)."""
         adapter_dir = Path(adapter_dir)
-        cid = content_id(adapter_dir)
-        prefix = f"adapters/{files_sha256(adapter_dir)}"
+        size = sum((adapter_dir / name).stat().st_size for name in ADAPTER_FILES)
+        return StoredObject(content_id(adapter_dir), self.uri(f"adapters/{files_sha256(adapter_dir)}"), int(size))
+
+    def put_version(self, adapter_dir: Path, planned: StoredObject | None = None) -> StoredObject:
+        """Store an adapter's two files under the hash of their bytes; returns its content id and URI.
+        Storing the same files again is a no-op. `planned`: `plan_version`'s answer for these files (saves
+        hashing them twice)."""
+        adapter_dir = Path(adapter_dir)
+        planned = planned or self.plan_version(adapter_dir)
+        prefix = self.key_of(planned.uri)
         for name in ADAPTER_FILES:
             self._put_immutable(adapter_dir / name, f"{prefix}/{name}")
-        size = sum(self.fs.size(self._path(f"{prefix}/{name}")) for name in ADAPTER_FILES)
-        return StoredObject(cid, self.uri(prefix), int(size))
+        return planned
 
-    def put_blob(self, path: Path, kind: str, suffix: str = "") -> StoredObject:
-        """Store a file under `<kind>/<sha256><suffix>` (uploads, eval sets)."""
+    def plan_blob(self, path: Path, kind: str, suffix: str = "") -> StoredObject:
+        """Where `put_blob` would store this file (nothing is written)."""
         if kind not in ("uploads", "evalsets"):
             raise ValueError(f"unknown blob kind {kind!r}")
         sha = file_sha256(path)
-        key = f"{kind}/{sha}{suffix}"
-        self._put_immutable(Path(path), key)
-        return StoredObject(sha, self.uri(key), Path(path).stat().st_size)
+        return StoredObject(sha, self.uri(f"{kind}/{sha}{suffix}"), Path(path).stat().st_size)
+
+    def put_blob(self, path: Path, kind: str, suffix: str = "", planned: StoredObject | None = None) -> StoredObject:
+        """Store a file under `<kind>/<sha256><suffix>` (uploads, eval sets); `planned` as in put_version."""
+        planned = planned or self.plan_blob(path, kind, suffix)
+        self._put_immutable(Path(path), self.key_of(planned.uri))
+        return planned
 
     def _put_immutable(self, local: Path, key: str) -> None:
         target = self._path(key)
@@ -120,7 +146,7 @@ class ObjectStore:
         if self.local:
             # A private temporary name then an atomic rename: readers never see a partial object, and two
             # writers of the same content both end with the right bytes.
-            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+            tmp = f"{parent}/{TMP_PREFIX}{uuid.uuid4().hex}"
             self.fs.put_file(str(local), tmp)
             os.replace(tmp, target)
         else:
@@ -163,3 +189,78 @@ class ObjectStore:
             raise StorageError(f"{uri} is larger than {max_bytes} bytes")
         with self.fs.open(path, "rb") as f:
             return f.read()
+
+    # -- listing and removal (services.adapters.retention decides what may go) --------------------------------
+    def list_objects(self) -> list[ObjectInfo]:
+        """Every stored object: version prefixes (adapters/<key>, their files summed) and blobs. Writes in
+        progress (temporary names) are not objects; `list_temporary` lists them."""
+        versions: dict[str, list[tuple[int, float]]] = {}
+        out = []
+        for path, info in self._files():
+            key = path[len(self.root) + 1:]
+            parts = key.split("/")
+            if parts[-1].startswith(TMP_PREFIX):
+                continue
+            if parts[0] == "adapters" and len(parts) == 3:
+                versions.setdefault(f"adapters/{parts[1]}", []).append((int(info.get("size") or 0), _mtime(info)))
+            elif parts[0] in ("uploads", "evalsets") and len(parts) == 2:
+                out.append(ObjectInfo(self.uri(key), int(info.get("size") or 0), _mtime(info)))
+        out.extend(ObjectInfo(self.uri(prefix), sum(s for s, _ in files), max(m for _, m in files))
+                   for prefix, files in versions.items())
+        return out
+
+    def list_temporary(self) -> list[ObjectInfo]:
+        """Temporary files of writes in progress, or of writers that died before their rename."""
+        return [ObjectInfo(f"{self.url}/{path[len(self.root) + 1:]}", int(info.get("size") or 0), _mtime(info))
+                for path, info in self._files() if path.rsplit("/", 1)[-1].startswith(TMP_PREFIX)]
+
+    def delete(self, uri: str) -> int:
+        """Remove an object (a version prefix with its files, or a blob, or a temporary file); returns the
+        bytes freed. Removing what is already gone is a no-op (returns 0)."""
+        key = self.key_of(uri)
+        path = self._path(key)
+        freed = 0
+        if key.startswith("adapters/") and len(key.split("/")) == 2:
+            for name in [*ADAPTER_FILES, *self._children(path)]:
+                freed += self._rm(f"{path}/{name}")
+            if self.local:  # object stores have no directories to remove
+                try:
+                    os.rmdir(path)
+                except FileNotFoundError:
+                    pass
+            return freed
+        return self._rm(path)
+
+    def _children(self, path: str) -> list[str]:
+        try:
+            return [p.rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)
+                    if p.rsplit("/", 1)[-1] not in ADAPTER_FILES]
+        except FileNotFoundError:
+            return []
+
+    def _rm(self, path: str) -> int:
+        try:
+            size = int(self.fs.size(path) or 0)
+            self.fs.rm_file(path)
+            return size
+        except FileNotFoundError:
+            return 0
+
+    def _files(self):
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [(path.rstrip("/"), info) for path, info in found.items() if info.get("type") == "file"]
+
+
+def _mtime(info: dict) -> float:
+    """Last-modified time from an fsspec listing (local: mtime; S3: LastModified; memory: created)."""
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        return float(value)
+    return 0.0

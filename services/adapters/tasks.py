@@ -20,6 +20,7 @@ from services.adapters.pipeline import (
     sweep_stalled,
     sync_retired,
 )
+from services.adapters.retention import collect
 from services.common.celery_app import app
 
 log = logging.getLogger("mplex.adapters.tasks")
@@ -28,6 +29,7 @@ INGEST = "adapters.ingest.validate"
 EVALUATE = "adapters.eval.gate"
 SYNC_RETIRED = "adapters.ingest.sync_retired"
 SWEEP = "adapters.ingest.sweep"
+COLLECT_STORAGE = "adapters.ingest.collect_storage"
 
 
 class CeleryEnqueue:
@@ -103,3 +105,10 @@ def sync_retired_adapters() -> int:
 def sweep() -> int:
     """Re-enqueue versions whose task was lost (run by beat)."""
     return len(sweep_stalled(runtime()))
+
+
+@app.task(name=COLLECT_STORAGE)
+def collect_storage() -> dict:
+    """Retention, garbage collection and stale temporary files of the object store (run by beat)."""
+    rt = runtime()
+    return collect(rt.session_factory, rt.store, rt.config, sandbox_root=rt.sandbox_root).as_dict()

@@ -5,6 +5,10 @@ The upload (one archive; loose PEFT files are packed into a tar first) is unpack
 only to learn its content id and store its two files content-addressed. Nothing about the adapter is
 judged here: an upload that cannot even be unpacked is stored as-is under `uploads/<sha256>` and its
 version goes through the pipeline like any other, where validation records why it is refused.
+
+Before anything is written, the tenant's storage quota is checked (services.adapters.quota: 413 when the
+new objects would not fit), and each object is held against the garbage collector until the version row
+that references it commits (services.adapters.retention).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from sqlalchemy.orm import Session
 from services.adapters.archive import sniff_kind, unpack
 from services.adapters.config import PipelineConfig
 from services.adapters.evalset import EvalSetError, parse_eval_set
+from services.adapters.quota import admit
+from services.adapters.retention import hold_object
 from services.adapters.storage import ObjectStore, StoredObject
 from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.lora_format import AdapterFormatError
@@ -89,20 +95,26 @@ def check_thresholds(min_margin: float | None, min_fp8_agreement: float | None) 
                                   code="invalid_threshold")
 
 
-def store_upload(store: ObjectStore, upload: Path, *, config: PipelineConfig, sandbox_root: Path) -> StoredObject:
-    """The upload's two PEFT files under their content id, or (when it cannot be unpacked or identified)
-    the upload itself under `uploads/<sha256>` for the pipeline to refuse with a reason."""
-    with private_dir(sandbox_root, "identify-") as sandbox:
-        try:
-            unpacked = unpack(upload, sandbox, config.archive)
-            return store.put_version(unpacked.dir)
-        except AdapterFormatError:
-            pass
+def identify_upload(store: ObjectStore, upload: Path, *, config: PipelineConfig,
+                    sandbox: Path) -> tuple[StoredObject, Path | None]:
+    """Where the upload will be stored, without writing it: its two PEFT files (unpacked into `sandbox`,
+    returned) under their bytes' hash, or — when it cannot be unpacked or identified — the upload itself
+    under `uploads/<sha256>` (None) for the pipeline to refuse with a reason."""
+    target = sandbox / "unpacked"
+    target.mkdir(mode=0o700)
     try:
-        suffix = "." + sniff_kind(upload)
+        unpacked = unpack(upload, target, config.archive)
+        return store.plan_version(unpacked.dir), unpacked.dir
     except AdapterFormatError:
-        suffix = ".bin"
-    return store.put_blob(upload, "uploads", suffix)
+        pass
+    return store.plan_blob(upload, "uploads", _raw_suffix(upload)), None
+
+
+def _raw_suffix(upload: Path) -> str:
+    try:
+        return "." + sniff_kind(upload)
+    except AdapterFormatError:
+        return ".bin"
 
 
 def upload_adapter(
@@ -129,7 +141,6 @@ def upload_adapter(
     check_thresholds(min_margin, min_fp8_agreement)
     if session.get(Tenant, tenant_id) is None:
         raise NotFoundError("Tenant not found.")
-    eval_uri = None
     if eval_set is not None:
         if len(eval_set) > config.max_eval_set_bytes:
             raise InvalidRequestError(f"the eval set is larger than {config.max_eval_set_bytes} bytes", param="eval_set",
@@ -138,16 +149,27 @@ def upload_adapter(
             parse_eval_set(eval_set, max_items=config.max_eval_items)
         except EvalSetError as exc:
             raise InvalidRequestError(f"eval_set: {exc}", param="eval_set", code=exc.code) from None
-        with private_dir(sandbox_root, "evalset-") as tmp:
-            (tmp / "eval.jsonl").write_bytes(eval_set)
-            eval_uri = store.put_blob(tmp / "eval.jsonl", "evalsets", ".jsonl").uri
-    stored = store_upload(store, upload, config=config, sandbox_root=sandbox_root)
+    with private_dir(sandbox_root, "identify-") as sandbox:
+        planned, files = identify_upload(store, upload, config=config, sandbox=sandbox)
+        planned_eval = None
+        if eval_set is not None:
+            (sandbox / "eval.jsonl").write_bytes(eval_set)
+            planned_eval = store.plan_blob(sandbox / "eval.jsonl", "evalsets", ".jsonl")
+        admit(session, tenant_id, [planned, planned_eval], default_quota=config.storage_quota_bytes)
+        for obj in (planned, planned_eval):
+            if obj is not None:
+                hold_object(session, obj.uri)  # until this transaction commits the version that references it
+        # The files in the sandbox are the ones just hashed: the plan is their key (no second hashing pass).
+        stored = (store.put_version(files, planned) if files is not None
+                  else store.put_blob(upload, "uploads", _raw_suffix(upload), planned))
+        eval_uri = store.put_blob(sandbox / "eval.jsonl", "evalsets", ".jsonl", planned_eval).uri if planned_eval else None
 
     adapter = _live_adapter(session, tenant_id=tenant_id, name=name, base_model_id=base.id, actor=actor)
     versions = list(session.scalars(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
                                     .order_by(AdapterVersion.version)))
     if reuse_identical:
-        same = [v for v in versions if v.storage_uri == stored.uri and v.eval_set_uri == eval_uri]
+        same = [v for v in versions if v.storage_uri == stored.uri and v.eval_set_uri == eval_uri
+                and v.objects_purged_at is None]
         if same:
             v = same[-1]
             return UploadResult(v.id, adapter.id, v.version, str(v.status), v.content_sha256, created=False)
@@ -156,7 +178,7 @@ def upload_adapter(
         adapter_id=adapter.id, tenant_id=tenant_id, version=number, base_model_id=base.id,
         content_sha256=stored.sha256, storage_uri=stored.uri, size_bytes=stored.size_bytes,
         status=AdapterStatus.UPLOADED, progress_percent=0, progress_step="queued for validation",
-        eval_set_uri=eval_uri,
+        eval_set_uri=eval_uri, eval_set_bytes=planned_eval.size_bytes if planned_eval else None,
         gate_config=config.gate.thresholds(min_margin=min_margin, min_fp8_agreement=min_fp8_agreement),
         created_by=actor.user_id,
     )

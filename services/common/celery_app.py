@@ -24,6 +24,7 @@ TASK_MODULES = ("services.billing.tasks", "services.adapters.tasks")
 VISIBILITY_TIMEOUT_S = 3 * 3600
 ADAPTERS_RETIRED_SYNC_S = 10.0  # how soon engines unload a deleted adapter (plus one heartbeat)
 ADAPTERS_SWEEP_S = 60.0
+ADAPTERS_STORAGE_GC_S = 3600.0  # retention is counted in days; an hour's delay costs nothing
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
@@ -114,6 +115,8 @@ def beat_schedule(billing) -> dict[str, dict[str, Any]]:
         # Deleted adapters' content ids -> the Redis set engines unload from; versions whose task was lost.
         schedule["adapters.ingest.sync_retired"] = every("adapters.ingest.sync_retired", ADAPTERS_RETIRED_SYNC_S)
         schedule["adapters.ingest.sweep"] = every("adapters.ingest.sweep", ADAPTERS_SWEEP_S)
+        # Files of rejected / deleted versions past retention, unreferenced objects, stale temporary files.
+        schedule["adapters.ingest.collect_storage"] = every("adapters.ingest.collect_storage", ADAPTERS_STORAGE_GC_S)
     return schedule
 
 

@@ -67,6 +67,20 @@ class Settings(BaseSettings):
     base_model_dir: Path | None = None  # HF checkpoint directory of the base model (engines, eval workers)
     engine_type: str = Field("cpu", min_length=1)  # engine-hour price row this machine's engines are charged at
     engine_advertise_url: str | None = None
+    # Share weights of the plans (tenants.plan) on the engines' tenant-fair scheduler; plans not listed weigh
+    # 1. JSON in the environment: MPLEX_PLAN_WEIGHTS='{"default": 1, "pro": 4}'.
+    plan_weights: dict[str, float] = Field(default_factory=lambda: {"default": 1.0})
+
+    @field_validator("plan_weights", mode="after")
+    @classmethod
+    def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: w for k, w in v.items() if not 0 < w <= 1000}
+        if bad:
+            raise ValueError(f"plan weights must be in (0, 1000]: {bad}")
+        return v
+
+    def plan_weight(self, plan: str) -> float:
+        return self.plan_weights.get(plan, 1.0)
 
     @field_validator("home", mode="after")
     @classmethod

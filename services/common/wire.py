@@ -32,6 +32,9 @@ SEED_MIN, SEED_END = -(2**63), 2**64  # signed or unsigned 64-bit seeds are both
 FAULT_HEADER = "x-mplex-fault"
 FAULT_REQUEST = "request"  # this request's input or state: never retried anywhere
 FAULT_ENGINE = "engine"  # the engine cannot serve now (dead, draining, overloaded): another may
+# Under sustained overload an engine clamps batch-class max_tokens; the new limit travels in this header
+# (engine -> gateway -> client).
+CLAMPED_HEADER = "x-mplex-max-tokens-clamped"
 
 
 class InvalidRequest(ValueError):
@@ -62,9 +65,9 @@ class EngineUnavailable(RuntimeError):
     fault = FAULT_ENGINE
     status = 503
 
-    def __init__(self, message: str, code: str = "engine_unavailable"):
+    def __init__(self, message: str, code: str = "engine_unavailable", retry_after: int | None = None):
         super().__init__(message)
-        self.message, self.code = message, code
+        self.message, self.code, self.retry_after = message, code, retry_after
 
 
 class Priority(enum.IntEnum):

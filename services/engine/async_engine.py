@@ -32,6 +32,8 @@ class _Add:
     priority: Priority
     cache_salt: str
     adapter: AdapterRef | None
+    tenant: str
+    weight: float
 
 
 @dataclass(slots=True)
@@ -94,16 +96,25 @@ class AsyncEngine:
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
         adapter: AdapterRef | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields one output per step until the request finishes. Closing the iterator aborts it."""
+        """Yields one output per step until the request finishes. Closing the iterator aborts it. Refuses at
+        once (EngineUnavailable, engine_overloaded) a request that could not get its first token within its
+        class's budget here."""
         if not self.alive:
             raise EngineDead("the engine step loop is not running")
         self.engine.validate(prompt_token_ids, params)  # raise bad input here, before anything is queued
+        try:
+            self.engine.load.check(tenant, weight, priority, len(prompt_token_ids))
+        except EngineUnavailable:
+            self.engine.metrics.shed.labels(model=self.engine.config.model_name, priority=priority.name.lower()).inc()
+            raise
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id", status=409)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._send(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt, adapter))
+        self._send(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt, adapter, tenant, weight))
         finished = False
         try:
             while True:
@@ -184,6 +195,7 @@ class AsyncEngine:
                     engine.add_request(
                         cmd.request_id, cmd.prompt, cmd.params,
                         priority=cmd.priority, cache_salt=cmd.cache_salt, adapter=cmd.adapter,
+                        tenant=cmd.tenant, weight=cmd.weight,
                     )
                 except Exception as exc:  # refused (e.g. an adapter that cannot load): tell that request only
                     self._deliver_one(cmd.request_id, _Failure(exc))

@@ -18,6 +18,12 @@ def serve(
     weight_dtype: str = typer.Option("auto", help="auto | fp8"),
     device: str = "cpu",
     kv_memory_mb: int = typer.Option(512, help="KV cache budget"),
+    swap_space_mb: int = typer.Option(None, help="Host tier for preempted sequences' KV (default: as large as the KV cache, at most 4 GiB; 0 = off, always recompute)"),
+    preemption_mode: str = typer.Option("auto", help="auto (swap or recompute by measured cost) | swap | recompute"),
+    prompt_sharing: bool = typer.Option(True, help="Identical concurrent prompts (n > 1) fork one computed prompt copy-on-write"),
+    kv_dtype: str = typer.Option("auto", help="KV cache storage: auto (the model dtype) | fp8 (e4m3, per-block "
+                                 "per-kv-head scales; needs a passing `mplex engine kv-gate` verdict for this model)"),
+    skip_kv_gate: bool = typer.Option(False, help="Serve --kv-dtype fp8 without a passing kv-gate verdict (logged)"),
     block_size: int = 16,
     max_num_seqs: int = 256,
     max_batched_tokens: int = 2048,
@@ -31,6 +37,10 @@ def serve(
     lora_cpu_kernel: str = typer.Option("auto", help="CPU LoRA kernel: auto (native C when it builds, else torch) | native | torch"),
     cpu_attention: str = typer.Option("auto", help="CPU decode attention: auto (native C when it builds, else torch) | native | torch"),
     log_level: str = "info",
+    scheduling_policy: str = typer.Option("fair", help="fair (tenants share the batch by weight) | fcfs (arrival order)"),
+    interactive_ttft_slo_s: float = typer.Option(2.0, help="Refuse (503 engine_overloaded) interactive requests whose estimated TTFT is over this; 0 = never"),
+    batch_ttft_slo_s: float = typer.Option(600.0, help="The same for the batch class; 0 = never"),
+    batch_max_tokens_under_overload: int = typer.Option(256, help="max_tokens clamp for batch requests under sustained overload; 0 = none"),
     failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
@@ -50,8 +60,13 @@ def serve(
         dtype=dtype,
         weight_dtype=weight_dtype,
         device=device,
-        cache=CacheConfig(block_size=block_size, memory_bytes=kv_memory_mb * 2**20),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, memory_bytes=kv_memory_mb * 2**20, kv_dtype=kv_dtype,
+                          swap_space_bytes=None if swap_space_mb is None else swap_space_mb * 2**20,
+                          preemption_mode=preemption_mode, enable_prompt_sharing=prompt_sharing),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
+                                  policy=scheduling_policy, interactive_ttft_slo_s=interactive_ttft_slo_s or None,
+                                  batch_ttft_slo_s=batch_ttft_slo_s or None,
+                                  batch_max_tokens_under_overload=batch_max_tokens_under_overload or None),
         lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                         cpu_kernel=lora_cpu_kernel),
         engine_id=engine_id,
@@ -62,6 +77,7 @@ def serve(
     from services.common.logging import configure
 
     log_config = configure("engine", log_level)
+    _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     url = advertise_url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     from services.common.http_limits import http_protocol
 
@@ -74,6 +90,75 @@ def serve(
     # request on a connection the engine is closing (it would be lost, and lost requests are not retried).
     uvicorn.run(app_, host=host, port=port, log_level=log_level, log_config=log_config, timeout_graceful_shutdown=30,
                 timeout_keep_alive=75, http=http_protocol(settings.max_header_bytes))
+
+
+@app.command("kv-gate")
+def kv_gate(
+    model: Path = typer.Option(None, help="Checkpoint directory (default: the demo kit's base model)"),
+    dtype: str = typer.Option("float32", help="Compute dtype the engines will serve with"),
+    weight_dtype: str = typer.Option("auto", help="auto | fp8 (as the engines will serve)"),
+    eval_file: list[Path] = typer.Option([], help="JSONL eval sets ({\"prompt\": ...} per line), run on the base "
+                                         "model; default: the demo kit's base and adapter eval sets"),
+    min_agreement: float = typer.Option(0.98, help="Greedy token agreement fp8 KV vs full-precision KV required"),
+    max_new_tokens: int = 48,
+    adapter_items: int = typer.Option(200, help="Demo kit: held-out items per adapter task"),
+    record: bool = typer.Option(True, help="Record the verdict, which `serve --kv-dtype fp8` requires"),
+) -> None:
+    """Check that an fp8 KV cache keeps this model's greedy outputs (the gate before `serve --kv-dtype fp8`)."""
+    import json
+
+    from services.adapters.kv_gate import KvEvalSet, check_fp8_kv, demo_eval_sets, record_verdict
+    from services.common.settings import get_settings
+
+    settings = get_settings()
+    kit = None
+    if model is None or not eval_file:
+        from services.modelkit import ensure_demo
+
+        kit = ensure_demo(settings.home, progress=False)
+        model = model or kit.base_dir
+    if eval_file:
+        from services.common.prompting import PromptBuilder
+
+        builder = PromptBuilder(model)
+        sets = []
+        for path in eval_file:
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            sets.append(KvEvalSet(path.stem, [builder.chat_ids([{"role": "user", "content": r["prompt"]}]) for r in rows],
+                                  None, [r["expected"] for r in rows] if all("expected" in r for r in rows) else None))
+    elif kit is not None and Path(model).resolve() == Path(kit.base_dir).resolve():
+        sets = demo_eval_sets(kit, adapter_items)
+    else:
+        raise typer.BadParameter("give --eval-file for a model other than the demo kit's", param_hint="--eval-file")
+    result = check_fp8_kv(model, sets, dtype=dtype, weight_dtype=weight_dtype, min_agreement=min_agreement,
+                          max_new_tokens=max_new_tokens)
+    for name, fig in result.per_set.items():
+        typer.echo(f"  {name:<12} items {int(fig['items']):>4}  token agreement {fig['token_agreement']:.4f}")
+    typer.echo(result.message)
+    if record:
+        typer.echo(f"verdict recorded: {record_verdict(settings.home, model, result)}")
+    raise typer.Exit(0 if result.passed else 1)
+
+
+def _check_kv_gate(home: Path, model: Path, dtype: str, weight_dtype: str, kv_dtype: str, skip: bool) -> None:
+    """fp8 KV is turned on per model only after its agreement gate passed (services/adapters/kv_gate.py)."""
+    if kv_dtype != "fp8":
+        return
+    from services.adapters.kv_gate import KvGateRequired, require_verdict
+
+    try:
+        verdict = require_verdict(home, model, dtype, weight_dtype)
+    except KvGateRequired as exc:
+        if not skip:
+            raise typer.BadParameter(str(exc), param_hint="--kv-dtype") from None
+        import logging
+
+        logging.getLogger("mplex.engine").warning("serving fp8 KV without a passing gate verdict (--skip-kv-gate): %s", exc)
+        return
+    import logging
+
+    logging.getLogger("mplex.engine").info("fp8 KV gate verdict: agreement %.4f (>= %.4f) measured %s",
+                                           verdict["agreement"], verdict["min_agreement"], verdict.get("measured_at"))
 
 
 def _failpoints(specs: list[str], env: str) -> tuple[tuple[str, int], ...]:

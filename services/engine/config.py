@@ -141,14 +141,34 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
 
 
+SWAP_SPACE_AUTO_MAX = 4 * 2**30  # vLLM's default swap space per GPU
+KV_DTYPES = ("auto", "fp8")
+KV_SCALE_DTYPE = torch.float32  # fp8 KV: one scale per (block, kv head), for K and for V
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: fixed-size blocks; capacity from `num_blocks` or from a memory budget."""
+    """Paged KV cache: fixed-size blocks; capacity from `num_blocks` or from a memory budget.
+
+    kv_dtype "auto" stores K/V in the model's compute dtype; "fp8" stores float8_e4m3fn with a scale per
+    (block, kv head) (kernels/kv_fp8.py): about 2x the tokens of bf16 in the same memory."""
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
+    # The host tier preempted sequences are swapped to (kv/host_pool.py): None = as many blocks as the
+    # device pool, at most SWAP_SPACE_AUTO_MAX bytes (host pages are touched only when used); 0 = off
+    # (preemption always recomputes).
+    swap_space_bytes: int | None = None
+    # How a preempted sequence gives back its KV: "auto" = swap or recompute, whichever the running cost
+    # estimates say is cheaper (preemption.py); "swap" = swap whenever the host tier has room;
+    # "recompute" = always recompute (as with no host tier). Forcing is for tests and benchmarks.
+    preemption_mode: str = "auto"
+    # Requests with the same prompt and cache extra (n > 1 choices, identical concurrent prompts) fork
+    # one running request's prompt blocks copy-on-write instead of each computing them (forks.py).
+    enable_prompt_sharing: bool = True
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -157,12 +177,38 @@ class CacheConfig:
             raise ConfigError("num_blocks must be >= 2")
         if self.memory_bytes <= 0:
             raise ConfigError("memory_bytes must be > 0")
+        if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
+            raise ConfigError("swap_space_bytes must be >= 0 (0 = no host tier)")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (fp8 = e4m3 with per-block, "
+                              f"per-kv-head scales), got {self.kv_dtype!r}")
+
+    def resolve_num_host_blocks(self, block_bytes: int, num_device_blocks: int) -> int:
+        if self.swap_space_bytes is None:
+            return min(num_device_blocks, SWAP_SPACE_AUTO_MAX // block_bytes)
+        return self.swap_space_bytes // block_bytes
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype K/V are stored in, for a model computing in `dtype`."""
+        return torch.float8_e4m3fn if self.is_fp8 else dtype
+
+    def bytes_per_block(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, K and V, scales included."""
+        per_cache = self.block_size * model.kv_size * self.storage_dtype(dtype).itemsize
+        if self.is_fp8:
+            per_cache += model.num_kv_heads * KV_SCALE_DTYPE.itemsize
+        return 2 * model.num_layers * per_cache
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = 2 * model.num_layers * self.block_size * model.kv_size * dtype.itemsize
-        blocks = self.memory_bytes // per_block
+        blocks = self.memory_bytes // self.bytes_per_block(model, dtype)
         if blocks < 2:
             raise ConfigError(f"memory_bytes={self.memory_bytes} holds fewer than 2 KV blocks")
         return int(blocks)
@@ -180,8 +226,30 @@ class SchedulerConfig:
     # for it (no new sequences join it), so it gets one (no starvation under skewed popularity) while the
     # other slots keep batching.
     lora_starvation_steps: int = 16
+    # "fair": inside a priority class, tenants share the batch by weight (fair_queue.py); "fcfs": arrival order.
+    policy: str = "fair"
+    # Overload (admission.py): a request whose estimated time to first token exceeds its class's budget is
+    # refused at once (503 engine_overloaded + Retry-After) instead of waiting it out; None = never.
+    interactive_ttft_slo_s: float | None = 2.0
+    batch_ttft_slo_s: float | None = 600.0
+    # Under sustained overload (interactive requests have waited, or been refused, within the last
+    # `overload_window_s`), batch-class requests admitted get at most this many new tokens (reported).
+    batch_max_tokens_under_overload: int | None = 256
+    overload_window_s: float = 5.0
+    # A request is admitted when its estimated TTFT is within this fraction of its budget: the rest is
+    # for what the estimate does not see (the gateway's hop, prefill beside other work, estimate error).
+    admission_headroom: float = 0.6
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fair", "fcfs"):
+            raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
+        for name in ("interactive_ttft_slo_s", "batch_ttft_slo_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 or None")
+        if not 0 < self.admission_headroom <= 1:
+            raise ConfigError("admission_headroom must be in (0, 1]")
+        if self.batch_max_tokens_under_overload is not None and self.batch_max_tokens_under_overload <= 0:
+            raise ConfigError("batch_max_tokens_under_overload must be > 0 or None")
         if self.max_num_seqs <= 0:
             raise ConfigError("max_num_seqs must be > 0")
         if self.max_num_batched_tokens <= 0:

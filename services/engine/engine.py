@@ -1,6 +1,7 @@
 """The engine's step loop: schedule, run, post-process (detokenize, stop, finish, account)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -12,16 +13,19 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.lora_format import AdapterFormatError
+from services.engine.admission import LoadTracker
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
 from services.engine.kv.block_pool import BlockPool
+from services.engine.kv.host_pool import HostBlockPool
 from services.engine.kv.manager import KVCacheManager
 from services.engine.metrics import EngineMetrics
 from services.engine.model.loader import load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.preemption import PreemptionCostModel, PreemptKind
 from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import Scheduler, StepPlan
-from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence
+from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence, Status
 from services.common.wire import RequestFailed, check_prompt_ids
 
 log = logging.getLogger("mplex.engine")
@@ -49,6 +53,7 @@ class RequestOutput:
     compute_seconds: float
     logprobs: list[TokenLogprob] | None = None
     error: InvalidRequest | None = None  # the request was refused after queueing (e.g. its adapter failed to load)
+    clamped_from: int | None = None  # overload clamped its max_tokens (batch class): what it had asked for
 
 
 @dataclass(slots=True)
@@ -79,9 +84,19 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
-        self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching)
+        attention_kernel = _attention_kernel(config, mcfg, block_size)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids,
-                                  attention_kernel=_attention_kernel(config, mcfg, block_size))
+                                  attention_kernel=attention_kernel, kv_dtype=config.cache.kv_dtype,
+                                  fp8_writer=_fp8_writer(config, attention_kernel))
+        num_host_blocks = config.cache.resolve_num_host_blocks(self.runner.block_bytes, num_blocks)
+        self.runner.allocate_host_blocks(num_host_blocks)
+        self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching,
+                                 HostBlockPool(num_host_blocks) if num_host_blocks else None)
+        # Running estimates of what swapping and recomputing cost; the copy bandwidth starts from a
+        # measurement, the prefill cost from the first steps.
+        self.preemption = PreemptionCostModel(self.runner.block_bytes, config.cache.preemption_mode)
+        if num_host_blocks:
+            self.preemption.observe_copy(*self.runner.measure_copy_bandwidth())
         self.wake = threading.Event()  # set by anything that may make a blocked step loop runnable
         self.adapters = None
         if config.lora.enabled:
@@ -91,11 +106,18 @@ class LLMEngine:
                 mcfg, config.lora, dtype=config.torch_dtype, device=config.device,
                 cache_dir=config.adapter_cache_dir, wake=self.wake,
             )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters,
+                                   preemption=self.preemption, share_prompts=config.cache.enable_prompt_sharing)
+        self._forks_reported = 0
+        self.load = LoadTracker(config.scheduler)  # what SLO-aware admission reads (admission.py)
+        self._finished_seen = 0
         self.last_plan_empty = False
         self._slot_loads_seen = 0
         self.metrics = EngineMetrics(config.model_name)
         self.metrics.kv_total.set(num_blocks)
+        self.metrics.host_blocks_total.set(num_host_blocks)
+        kv_dtype = "fp8_e4m3" if config.cache.is_fp8 else config.dtype
+        self.metrics.set_kv_cache_info(kv_dtype, self.runner.kv_bytes_per_token)
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
@@ -104,10 +126,12 @@ class LLMEngine:
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
-            "(%.1f MiB) max_model_len=%d attention=%s lora=%s",
+            "(%.1f MiB, kv_dtype=%s, %.1f bytes/token) host tier=%d blocks (%.1f MiB) max_model_len=%d attention=%s lora=%s",
             config.model_name, weights / 2**20, "fp8" if config.weight_dtype == "fp8" else config.dtype,
             weights / (2 * params), 2 * params / 2**20, num_blocks, block_size, self.runner.kv_cache_bytes / 2**20,
-            self.max_model_len, "sdpa" if self.runner.attention_kernel is None else "native decode + sdpa prefill",
+            kv_dtype, self.runner.kv_bytes_per_token, num_host_blocks, num_host_blocks * self.runner.block_bytes / 2**20,
+            self.max_model_len,
+            "sdpa" if attention_kernel is None else f"{_kernel_name(attention_kernel)} decode + sdpa prefill",
             "off" if self.adapters is None else
             f"{config.lora.max_loras} slots ({self.adapters.cpu_kernel or 'triton'} kernel)",
         )
@@ -122,6 +146,8 @@ class LLMEngine:
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
         adapter: AdapterRef | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> Sequence:
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id", status=409)
@@ -134,7 +160,17 @@ class LLMEngine:
             except AdapterFormatError as exc:
                 raise adapter_error(exc) from None
         seed = params.seed64 if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter)
+        clamped = None
+        clamp = self.config.scheduler.batch_max_tokens_under_overload
+        if priority == Priority.BATCH and clamp is not None and params.max_tokens > clamp and self.load.overloaded():
+            # Sustained overload: batch work gets a shorter budget (reported to the client), so interactive
+            # work gets its seats and blocks back sooner.
+            clamped = params.max_tokens
+            params = dataclasses.replace(params, max_tokens=clamp, min_tokens=min(params.min_tokens, clamp))
+            self.metrics.max_tokens_clamped.inc()
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter,
+                       tenant=tenant, weight=weight)
+        seq.clamped_from = clamped
         self._seqs[request_id] = seq
         self._streams[request_id] = _Stream(
             DecodeStream(self.tokenizer, params.skip_special_tokens), StopMatcher(params.stop)
@@ -194,7 +230,16 @@ class LLMEngine:
         if hits:
             self.metrics.prefix_hit_tokens.inc(hits)
             self._hits_reported += hits
-        self.metrics.preemptions.inc(len(plan.preempted))
+        self.metrics.count_preemptions(PreemptKind.SWAP.value, len(plan.swapped_out))
+        self.metrics.count_preemptions(PreemptKind.RECOMPUTE.value, len(plan.preempted) - len(plan.swapped_out))
+        if plan.fair_preempted:
+            self.metrics.fair_preemptions.inc(plan.fair_preempted)
+        forks = self.scheduler.num_forks - self._forks_reported
+        if forks:
+            self.metrics.forks.inc(forks)
+            self._forks_reported += forks
+        if plan.block_copies:  # also when nothing runs: a sequence that preempted itself is swapped out
+            self._copy_blocks(plan)
         self.last_plan_empty = plan.is_empty
         if plan.is_empty:
             self._update_gauges()
@@ -205,9 +250,36 @@ class LLMEngine:
         except Exception as exc:
             outputs = self._isolate(plan, exc)
         else:
-            outputs = self._postprocess(plan, sampled, time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            prefill = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+            self.preemption.observe_step(prefill, plan.num_batched_tokens, elapsed)
+            outputs = self._postprocess(plan, sampled, elapsed)
+        finished = self.scheduler.num_finished - self._finished_seen
+        self._finished_seen = self.scheduler.num_finished
+        self.load.observe(self.scheduler, time.perf_counter() - t0, finished)
         self._update_gauges()
         return failed + outputs
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """The step's swaps and copy-on-write copies, before its forward. They belong to no one request:
+        if they fail, the error goes to `recover` (which fails the running requests), and the sequences
+        swapped out by this step are recomputed instead of being copied back from host blocks that may
+        hold nothing."""
+        try:
+            stats = self.runner.copy_blocks(plan.block_copies)
+        except Exception:
+            for seq in plan.swapped_out:
+                if seq.status is Status.WAITING:
+                    self.kv.free(seq.request_id)
+            raise
+        m = self.metrics
+        m.swap_out_blocks.inc(stats.swap_out_blocks)
+        m.swap_in_blocks.inc(stats.swap_in_blocks)
+        m.swap_out_bytes.inc(stats.swap_out_blocks * self.runner.block_bytes)
+        m.swap_in_bytes.inc(stats.swap_in_blocks * self.runner.block_bytes)
+        m.swap_seconds.inc(stats.swap_seconds)
+        m.cow_copies.inc(stats.cow_blocks)
+        self.preemption.observe_copy(stats.swap_bytes, stats.swap_seconds)
 
     def _execute(self, plan: StepPlan) -> SamplerOutput | None:
         if self._failpoints:
@@ -334,6 +406,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.arrival_time)
+            self.metrics.tenant_ttft(seq.tenant).observe(now - seq.arrival_time)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
@@ -371,6 +444,7 @@ class LLMEngine:
             num_output_tokens=n_out,
             compute_seconds=seq.compute_seconds,
             logprobs=lp,
+            clamped_from=seq.clamped_from,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -386,7 +460,14 @@ class LLMEngine:
         m = self.metrics
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
+        m.set_tenant_waiting({k: s.waiting for k, s in self.scheduler.tenants.states.items()})
         m.kv_used.set(self.kv.pool.num_used)
+        if self.kv.host is not None:
+            m.host_blocks_used.set(self.kv.host.num_used)
+        if (bw := self.preemption.copy_bytes_per_second) is not None:
+            m.copy_bandwidth.set(bw)
+        if (per_token := self.preemption.prefill_seconds_per_token) is not None:
+            m.prefill_token_seconds.set(per_token)
         if self.adapters is not None:
             a = self.adapters
             m.lora_slots_used.set(a.num_slots_used)
@@ -409,11 +490,21 @@ class LLMEngine:
             s.request_id for q in self.scheduler.waiting.values() for s in q
         }
         assert live == set(self._seqs), (live, set(self._seqs))
+        self.scheduler.tenants.check_integrity(self.scheduler.running,
+                                               (s for q in self.scheduler.waiting.values() for s in q))
         for seq in self.scheduler.running:
             table = self.kv.block_table(seq.request_id)
             assert len(table) * self.kv.block_size >= seq.num_computed_tokens
+            assert not self.kv.is_swapped(seq.request_id)
+        for seq in itertools.chain.from_iterable(self.scheduler.waiting.values()):
+            # A waiting sequence pins no device memory: a swapped-out one holds host blocks only.
+            assert not self.kv.block_table(seq.request_id), f"waiting {seq.request_id} holds device blocks"
+            assert seq.num_computed_tokens == 0
+        waiting = {s.request_id for q in self.scheduler.waiting.values() for s in q}
+        assert self.kv.swapped_request_ids <= waiting, "host blocks held for a request that is not waiting"
         if not self._seqs:
             assert self.kv.pool.num_used == 0, f"{self.kv.pool.num_used} KV blocks leaked"
+            assert self.kv.host is None or self.kv.host.num_used == 0, f"{self.kv.host.num_used} host blocks leaked"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion in one continuous batch (offline use: tests and benchmarks)."""
@@ -434,11 +525,19 @@ class LLMEngine:
 
 
 def _attention_kernel(config: EngineConfig, mcfg, block_size: int):
-    """The native CPU decode attention kernel, when config.cpu_attention allows it and it fits here."""
+    """The paged decode kernel: on the CPU the native one, when config.cpu_attention allows it and it fits
+    here; on CUDA with an fp8 cache the Triton one (which reads fp8 + scales in place rather than
+    dequantizing a gathered copy); otherwise none (gather + SDPA)."""
     from services.engine.config import ConfigError
     from services.engine.kernels import attention_native
 
-    if config.cpu_attention == "torch" or config.device != "cpu":
+    if config.device != "cpu":
+        if config.cache.is_fp8 and config.device.startswith("cuda"):
+            from services.engine.kernels.decode_attention import TritonDecodeAttention
+
+            return TritonDecodeAttention()
+        return None
+    if config.cpu_attention == "torch":
         return None
     why = None
     if not attention_native.NativeAttention.supports(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, block_size,
@@ -451,10 +550,27 @@ def _attention_kernel(config: EngineConfig, mcfg, block_size: int):
         except attention_native.NativeKernelUnavailable as exc:
             why = str(exc)
     if config.cpu_attention == "native":
-        raise ConfigError(f"cpu_attention=native, but {why}")
+        kv = " (with kv_dtype=fp8 too: the kernel dequantizes into fp32)" if config.cache.is_fp8 else ""
+        raise ConfigError(f"cpu_attention=native, but {why}{kv}")
     if config.torch_dtype == torch.float32:  # other dtypes are expected to use SDPA: no warning for them
         log.warning("native CPU attention unavailable, using gather + SDPA: %s", why)
     return None
+
+
+def _fp8_writer(config: EngineConfig, attention_kernel):
+    """The native writer of an fp8 cache: the CPU decode kernel's library, when it is in use (fp32 compute;
+    cpu_attention="torch" keeps every KV op in torch). Otherwise kv_fp8.write_fp8_kv writes."""
+    from services.engine.kernels.attention_native import NativeAttention
+
+    if config.cache.is_fp8 and isinstance(attention_kernel, NativeAttention):
+        return attention_kernel
+    return None
+
+
+def _kernel_name(kernel) -> str:
+    from services.engine.kernels.attention_native import NativeAttention
+
+    return "native" if isinstance(kernel, NativeAttention) else "triton"
 
 
 def adapter_error(exc: AdapterFormatError) -> InvalidRequest:

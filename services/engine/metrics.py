@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MAX_ADAPTER_LABELS = 64
+MAX_TENANT_LABELS = 32
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -29,10 +30,31 @@ class EngineMetrics:
         self.waiting = gauge("mplex_engine_requests_waiting", "Sequences waiting for admission")
         self.kv_used = gauge("mplex_engine_kv_blocks_used", "KV cache blocks in use (incl. cached idle blocks held by requests)")
         self.kv_total = gauge("mplex_engine_kv_blocks_total", "KV cache blocks in the pool")
+        self.kv_bytes_per_token = gauge("mplex_engine_kv_cache_bytes_per_token",
+                                        "KV cache bytes per token slot over all layers, K and V (fp8: scales included)")
+        self._kv_info = Gauge("mplex_engine_kv_cache_info", "KV cache storage (1 for the engine's kv_dtype)",
+                              ["model", "kv_dtype"], registry=r)
         self.prompt_tokens = counter("mplex_engine_prompt_tokens_total", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("mplex_engine_generation_tokens_total", "Generated tokens")
         self.prefix_hit_tokens = counter("mplex_engine_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache")
-        self.preemptions = counter("mplex_engine_preemptions_total", "Sequences preempted for recompute")
+        self._preemptions = Counter(
+            "mplex_engine_preemptions_total", "Sequences preempted, by kind: swap (KV to the host tier and back) "
+            "or recompute (KV freed, computed again)", ["model", "kind"], registry=r,
+        )
+        for kind in ("swap", "recompute"):  # exported from the start, as before the kind label
+            self._preemptions.labels(model=model_name, kind=kind)
+        self.swap_out_blocks = counter("mplex_engine_kv_swap_out_blocks_total", "KV blocks copied to the host tier")
+        self.swap_in_blocks = counter("mplex_engine_kv_swap_in_blocks_total", "KV blocks copied back from the host tier")
+        self.swap_out_bytes = counter("mplex_engine_kv_swap_out_bytes_total", "Bytes of KV copied to the host tier")
+        self.swap_in_bytes = counter("mplex_engine_kv_swap_in_bytes_total", "Bytes of KV copied back from the host tier")
+        self.swap_seconds = counter("mplex_engine_kv_swap_seconds_total", "Wall time of host <-> device KV copies")
+        self.host_blocks_used = gauge("mplex_engine_kv_host_blocks_used", "Host-tier KV blocks held by swapped-out sequences")
+        self.host_blocks_total = gauge("mplex_engine_kv_host_blocks_total", "Host-tier KV blocks (0: no host tier)")
+        self.cow_copies = counter("mplex_engine_kv_cow_copies_total", "KV blocks copied on the first write into a shared block")
+        self.forks = counter("mplex_engine_kv_forks_total", "Requests that forked an identical running prompt's KV")
+        self.fork_tokens = counter("mplex_engine_kv_fork_shared_tokens_total", "Prompt tokens forks shared instead of computing")
+        self.copy_bandwidth = gauge("mplex_engine_kv_copy_bytes_per_second", "Running estimate of host <-> device KV copy bandwidth")
+        self.prefill_token_seconds = gauge("mplex_engine_prefill_seconds_per_token", "Running estimate of a prefill token's cost (recompute)")
         self.busy_seconds = counter("mplex_engine_busy_seconds_total", "Wall time spent in forward steps")
         self.idle_seconds = counter("mplex_engine_idle_seconds_total", "Wall time with no work")
         self.lora_slots_used = gauge("mplex_engine_lora_slots_used", "Device adapter slots holding an adapter")
@@ -59,10 +81,54 @@ class EngineMetrics:
             "request's output handling) or unattributed (the step's requests were failed and state checked)",
             ["model", "where"], registry=r,
         )
+        self.shed = Counter("mplex_engine_shed_total", "Requests refused at arrival: their estimated time to first "
+                            "token was over their class's budget (engine_overloaded)", ["model", "priority"], registry=r)
+        self.fair_preemptions = counter("mplex_engine_fair_preemptions_total",
+                                        "Sequences preempted to seat a tenant under its fair share")
+        self.max_tokens_clamped = counter("mplex_engine_max_tokens_clamped_total",
+                                          "Batch-class requests whose max_tokens overload clamped")
+        self._tenant_waiting = Gauge("mplex_engine_tenant_waiting", "Waiting requests per tenant (bounded labels)",
+                                     ["model", "tenant"], registry=r)
+        self._tenant_ttft = Histogram("mplex_engine_tenant_ttft_seconds", "Arrival to first token per tenant "
+                                      "(bounded labels)", ["model", "tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._tenant_labels: set[str] = set()
+        self._tenant_waiting_set: set[str] = set()
         self.model_name = model_name
+
+    def count_preemptions(self, kind: str, n: int) -> None:
+        if n:
+            self._preemptions.labels(model=self.model_name, kind=kind).inc(n)
+
+    def set_kv_cache_info(self, kv_dtype: str, bytes_per_token: float) -> None:
+        self._kv_info.labels(model=self.model_name, kv_dtype=kv_dtype).set(1)
+        self.kv_bytes_per_token.set(bytes_per_token)
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(model=self.model_name, finish_reason=reason).inc()
+
+    def tenant_label(self, tenant: str) -> str:
+        """Tenants are unbounded: the first MAX_TENANT_LABELS seen get a label (their id's first 12
+        characters), the rest count as "other"; requests without a tenant (direct use) as "direct"."""
+        label = tenant[:12] or "direct"
+        if label not in self._tenant_labels:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                return "other"
+            self._tenant_labels.add(label)
+        return label
+
+    def tenant_ttft(self, tenant: str):
+        return self._tenant_ttft.labels(model=self.model_name, tenant=self.tenant_label(tenant))
+
+    def set_tenant_waiting(self, waiting: dict[str, int]) -> None:
+        now: dict[str, int] = {}
+        for tenant, n in waiting.items():
+            label = self.tenant_label(tenant)
+            now[label] = now.get(label, 0) + n
+        for label in self._tenant_waiting_set - now.keys():
+            self._tenant_waiting.labels(model=self.model_name, tenant=label).set(0)
+        for label, n in now.items():
+            self._tenant_waiting.labels(model=self.model_name, tenant=label).set(n)
+        self._tenant_waiting_set = set(now)
 
     def count_adapter(self, name: str, tokens: int) -> None:
         """Per-adapter counters; labels are bounded: past MAX_ADAPTER_LABELS names, the rest count as "other"."""

@@ -5,12 +5,17 @@ the plan: block tables and how many tokens each sequence computes.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from services.engine.config import KV_SCALE_DTYPE
 from services.engine.kernels.attention_native import NativeAttention
-from services.engine.model.attention import AttnGroup, AttnMetadata, DecodeGroup, build_group
+from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan
+from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
+from services.engine.model.attention import (AttnGroup, AttnMetadata, DecodeGroup, DecodeKernel, Fp8Writer, LayerKV,
+                                             build_group)
 from services.engine.model.layers import LoraHook
 from services.engine.model.llama import LlamaModel
 from services.engine.sampler import SamplerOutput, SamplingBatch, sample
@@ -31,25 +36,121 @@ class StepInputs:
     lora_runs: tuple[tuple[int, int, int], ...] | None = None
 
 
+@dataclass(slots=True)
+class CopyStats:
+    """What a step's block copies moved, and the wall time of the host <-> device ones."""
+
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    cow_blocks: int = 0
+    swap_bytes: int = 0
+    swap_seconds: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
-                 attention_kernel: NativeAttention | None = None):
+                 attention_kernel: DecodeKernel | None = None, kv_dtype: str = "auto",
+                 fp8_writer: Fp8Writer | None = None):
+        """kv_dtype "auto": K/V in the model's dtype; "fp8": e4m3 with per-(block, kv head) scales, written by
+        `fp8_writer` (the native CPU writer) or else by torch (kernels/kv_fp8.py)."""
         cfg = model.config
         self.model = model
-        self.attention_kernel = attention_kernel  # decode rows attended in place by the native CPU kernel
+        self.attention_kernel = attention_kernel  # decode rows attended in place (native CPU / Triton kernel)
         self.block_size = block_size
         self.device = model.device
         self.eos_token_ids = eos_token_ids
+        self.kv_fp8 = kv_dtype == "fp8"
+        self.fp8_writer = fp8_writer if self.kv_fp8 else None
+        self.kv_dtype = FP8_KV_DTYPE if self.kv_fp8 else model.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
+            LayerKV(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype),
+                    *((zeros(shape[::2], KV_SCALE_DTYPE), zeros(shape[::2], KV_SCALE_DTYPE)) if self.kv_fp8 else ()))
             for _ in range(cfg.num_layers)
         ]
 
+        self.host_blocks: list[torch.Tensor] = []  # the host tier: one CPU tensor per kv_block_tensors() entry
+
     @property
     def kv_cache_bytes(self) -> int:
-        k, v = self.kv_caches[0]
-        return len(self.kv_caches) * 2 * k.numel() * k.element_size()
+        return sum(t.numel() * t.element_size() for t in self.kv_block_tensors())
+
+    def kv_block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding per-block KV state -- K and V of every layer and, with fp8, their scales --
+        each indexed by block id in dim 0. Copying or swapping block b means moving index b of each: a block
+        with its scales is self-contained. Block copies and swaps go over this list, never over K and V by
+        name (moving fp8 ones as bytes: not every indexing op takes fp8)."""
+        return [t for layer in self.kv_caches for t in layer.tensors()]
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Cache bytes per token slot, scales included."""
+        k = self.kv_caches[0].k
+        return self.kv_cache_bytes / (k.shape[0] * k.shape[1])
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.kv_block_tensors())
+
+    def allocate_host_blocks(self, num_blocks: int) -> None:
+        """The host tier: CPU tensors shaped like kv_block_tensors(), `num_blocks` blocks each (pinned
+        when the device is a GPU, so copies can use DMA). Pages are touched only when blocks are used."""
+        pin = torch.device(self.device).type == "cuda"
+        self.host_blocks = [
+            torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
+            for t in map(_movable, self.kv_block_tensors())
+        ] if num_blocks else []
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[BlockCopy]) -> CopyStats:
+        """Run a step's block copies in their order (batched where they do not depend on each other)."""
+        stats = CopyStats()
+        dev = self.device
+        for batch in copy_batches(copies):
+            t0 = time.perf_counter()
+            n = len(batch.src)
+            src = torch.tensor(batch.src, dtype=torch.int64)
+            dst = torch.tensor(batch.dst, dtype=torch.int64)
+            if batch.kind is CopyKind.COW:
+                src, dst = src.to(dev), dst.to(dev)
+                for t in map(_movable, self.kv_block_tensors()):
+                    t.index_copy_(0, dst, t.index_select(0, src))
+                stats.cow_blocks += n
+                continue
+            assert self.host_blocks, "a swap without a host tier"
+            for t, h in zip(map(_movable, self.kv_block_tensors()), self.host_blocks, strict=True):
+                if batch.kind is CopyKind.SWAP_OUT:
+                    h.index_copy_(0, dst, t.index_select(0, src.to(dev)).to("cpu"))
+                else:
+                    t.index_copy_(0, dst.to(dev), h.index_select(0, src).to(dev, non_blocking=True))
+            if torch.device(dev).type == "cuda":
+                torch.cuda.synchronize(dev)
+            stats.swap_seconds += time.perf_counter() - t0
+            stats.swap_bytes += n * self.block_bytes
+            if batch.kind is CopyKind.SWAP_OUT:
+                stats.swap_out_blocks += n
+            else:
+                stats.swap_in_blocks += n
+        return stats
+
+    def measure_copy_bandwidth(self, num_blocks: int = 16, repeats: int = 3) -> tuple[int, float]:
+        """(bytes, seconds) of copying `num_blocks` blocks to the host tier and back, best of `repeats`:
+        the swap cost model's first estimate, before any real swap is timed. Leaves the KV as it was
+        (the blocks are copied back onto themselves)."""
+        n = min(num_blocks, self.kv_caches[0].k.shape[0], self.host_blocks[0].shape[0] if self.host_blocks else 0)
+        if n == 0:
+            return 0, 0.0
+        ids = list(range(n))
+        best = float("inf")
+        for _ in range(repeats):
+            stats = self.copy_blocks([BlockCopy(CopyKind.SWAP_OUT, i, i) for i in ids]
+                                     + [BlockCopy(CopyKind.SWAP_IN, i, i) for i in ids])
+            best = min(best, stats.swap_seconds)
+        return 2 * n * self.block_bytes, best
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         dev, bs = self.device, self.block_size
@@ -74,8 +175,8 @@ class ModelRunner:
             if decode.numel():
                 d_ctx = ctx[decode]
                 groups.append(DecodeGroup(
-                    rows=offsets[decode], context_lens=d_ctx,
-                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous(),
+                    rows=offsets[decode].to(dev), context_lens=d_ctx.to(dev),
+                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous().to(dev),
                     kernel=self.attention_kernel, sliding_window=self.model.config.sliding_window,
                     num_threads=torch.get_num_threads(),
                 ))
@@ -101,10 +202,13 @@ class ModelRunner:
         slot_list = [s.lora_slot for s in scheduled]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         has_lora = max(slot_list) >= 0
+        slot_mapping = slot_mapping.to(dev)
+        fp8_plan = Fp8WritePlan.build(slot_mapping, bs) if self.kv_fp8 and self.fp8_writer is None else None
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
-            attn=AttnMetadata(slot_mapping=slot_mapping.to(dev), groups=tuple(groups)),
+            attn=AttnMetadata(slot_mapping=slot_mapping, groups=tuple(groups), fp8_write=fp8_plan,
+                              fp8_writer=self.fp8_writer, num_threads=torch.get_num_threads()),
             sample_rows=sample_rows.to(dev),
             sampled=[s for s in scheduled if s.samples],
             token_slots=slots[seq_of_token].to(dev),
@@ -234,3 +338,8 @@ def _prefill_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, max
             break
         cuts = sorted(cuts + [best])
     return [prefill[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for fp8 its bytes: block copies move bytes, and fp8 lacks some indexing ops."""
+    return t.view(torch.uint8) if t.dtype == FP8_KV_DTYPE else t

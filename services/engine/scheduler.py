@@ -1,18 +1,27 @@
 """Iteration-level continuous batching: which sequences run this step and how many tokens each.
 
 Every step spends a token budget: running decodes first (so a long prompt never stalls them), then
-partially prefilled prompts, then new admissions by priority class and arrival. Admission needs free
-KV blocks; when a running sequence cannot grow, the lowest-priority, latest-arrived sequence is
-preempted and later recomputed. The scheduler never touches tensors: its output is a `StepPlan`.
+partially prefilled prompts and new admissions, class by class, interleaved in tenant-fair order
+(fair_queue.py: weighted fair queuing on tokens). Admission needs a seat and free KV blocks; a request may
+take them from a running sequence of a lower class, or -- when its tenant is under its fair share of the
+batch -- of the tenant furthest over its share; when a running sequence cannot grow, the victim is chosen
+the same way. A preempted sequence is swapped out to the host tier or freed and later recomputed,
+whichever the cost model (preemption.py) says is cheaper; a swapped-out sequence is copied back when
+re-admitted and goes on where it was. A request whose prompt equals a running one's forks it (forks.py)
+instead of computing the prompt again. The scheduler never touches tensors: its output is a `StepPlan`,
+whose block copies the model runner executes before the forward.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.config import SchedulerConfig
-from services.engine.kv.manager import KVCacheManager
+from services.engine.fair_queue import Admission, Tenants, WaitQueue
+from services.engine.forks import WAIT, PromptGroups
+from services.engine.kv.copies import BlockCopy, CopyKind
+from services.engine.kv.manager import KVCacheManager, PrefixHit
+from services.engine.preemption import PreemptKind
 from services.engine.sequence import Priority, Sequence, Status
 
 
@@ -34,6 +43,14 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    fair_preempted: int = 0  # of `preempted`: seats or blocks taken for a tenant under its fair share
+    swapped_out: list[Sequence] = field(default_factory=list)  # those of `preempted` swapped, not freed
+    # Run by the model runner before the forward, in this order (kv/copies.py says why one list).
+    block_copies: list[BlockCopy] = field(default_factory=list)
+
+    def copies_of(self, kind: CopyKind) -> list[tuple[int, int]]:
+        """(src, dst) of one kind: vLLM's blocks_to_swap_out / blocks_to_swap_in / blocks_to_copy."""
+        return [(c.src, c.dst) for c in self.block_copies if c.kind is kind]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,16 +77,31 @@ class AdapterSlots(Protocol):
         """Unpin the sequence's adapter (the sequence left the running set)."""
 
 
+class PreemptionPolicy(Protocol):
+    """Chooses how to preempt (preemption.PreemptionCostModel)."""
+
+    def choose(self, est) -> PreemptKind: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, adapters: AdapterSlots | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, adapters: AdapterSlots | None = None,
+                 *, preemption: PreemptionPolicy | None = None, share_prompts: bool = False):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.adapters = adapters
-        self.waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+        self.preemption = preemption  # None: always recompute
+        self.prompts = PromptGroups() if share_prompts else None
+        self.num_forks = 0
+        self.fork_tokens = 0  # prompt tokens forks shared instead of computing
+        self.preemptions_by_kind = {k: 0 for k in PreemptKind}
+        self.tenants = Tenants(fair=config.policy == "fair")
+        self.waiting: dict[Priority, WaitQueue] = {p: WaitQueue(self.tenants) for p in Priority}
         self.running: list[Sequence] = []
         self._arrivals = 0
         self.num_preemptions = 0
+        self.num_finished = 0  # sequences that left the running batch (finished or aborted)
+        self.blocked = False
         self.prefix_hit_tokens = 0  # every admission's hit, re-admissions after preemption included
         # The device slot being drained for a request that has waited too long for one (see _admit).
         self.draining_slot: int | None = None
@@ -80,18 +112,26 @@ class Scheduler:
         self._arrivals += 1
         seq.arrival_order = self._arrivals
         seq.status = Status.WAITING
+        self.tenants.arrived(seq)
         self.waiting[seq.priority].append(seq)
+        if self.prompts is not None:
+            self.prompts.add(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (completed or aborted) and free its KV blocks at once."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._release_adapter(seq)
+            self.tenants.left(seq, was_running=True)
+            self.num_finished += 1  # a seat freed: SLO admission's estimate of how fast seats free up
         elif seq.status is Status.WAITING:
             self.waiting[seq.priority].remove(seq)
+            self.tenants.left(seq, was_running=False)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.request_id)
+        if self.prompts is not None:
+            self.prompts.remove(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -107,97 +147,152 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
-
-        # Decodes before partial prefills: a long prompt must never stall the sequences already streaming.
-        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key))
-        for seq in order:
-            if budget == 0:
+        # Decodes first: a long prompt must never stall the sequences already streaming.
+        decodes = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens == 1), key=lambda s: s.sort_key)
+        for seq in decodes:
+            if self._budget(plan) == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.config.chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
-                continue
-            while seq.status is Status.RUNNING and not self.kv.allocate(seq, num_new):
-                self._preempt(self._pick_victim(), plan)
-                budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-            if seq.status is not Status.RUNNING:
-                continue
-            plan.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-
-        if not plan.preempted:
-            self._admit(plan)
+            if seq.status is Status.RUNNING:  # not preempted earlier in this loop
+                self._run(seq, plan)
+        prefills = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens > 1), key=lambda s: s.sort_key)
+        self._fill(plan, prefills, admit=not plan.preempted)
         # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
         plan.scheduled.sort(key=lambda s: s.lora_slot)
+        plan.block_copies = self.kv.take_copies()
         return plan
 
-    def _admit(self, plan: StepPlan) -> None:
-        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+    def _budget(self, plan: StepPlan) -> int:
+        return self.config.max_num_batched_tokens - plan.num_batched_tokens
+
+    def _run(self, seq: Sequence, plan: StepPlan) -> None:
+        """Schedule a running sequence's next tokens (a decode or a prefill chunk), preempting to make room."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(plan))
+        if not self.config.chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
+            return
+        while seq.status is Status.RUNNING and not self.kv.allocate(seq, num_new):
+            self._preempt(self._pick_victim(), plan)
+        if seq.status is Status.RUNNING:
+            plan.scheduled.append(self._scheduled(seq, min(num_new, self._budget(plan))))
+
+    def _fill(self, plan: StepPlan, prefills: list[Sequence], admit: bool) -> None:
+        """The budget left after decodes, class by class: the running sequences' prefill chunks and new
+        admissions, interleaved in tenant-fair order (the tenant whose clock is furthest behind goes next),
+        so that one tenant's hundred long prompts do not hold another tenant's first token for many steps."""
+        self.blocked = False  # set when a request that could run waits for seats or KV blocks
         if self.draining_slot is not None and not any(s.lora_slot == self.draining_slot for s in self.running):
             self.draining_slot = None  # drained: it is idle now, and the oldest waiting requests get it first
+        for priority in Priority:
+            pending: dict[str, list[Sequence]] = {}
+            for seq in prefills:
+                if seq.priority == priority:
+                    pending.setdefault(self.tenants.key(seq), []).append(seq)
+            for q in pending.values():
+                q.reverse()  # pop() from the end = oldest first
+            walk = self.waiting[priority].admission() if admit and not self.blocked else None
+            while self._budget(plan) > 0:
+                candidate = walk.peek() if walk is not None else None
+                states = self.tenants.states
+                tenant = min((k for k, q in pending.items() if q), key=lambda k: states[k].vtime, default=None)
+                if tenant is not None and (candidate is None or
+                                           states[tenant].vtime <= states[self.tenants.key(candidate)].vtime):
+                    seq = pending[tenant].pop()
+                    if seq.status is Status.RUNNING:
+                        self._run(seq, plan)
+                    continue
+                if candidate is None:
+                    break
+                if not self._try_admit(candidate, walk, plan):
+                    self.blocked = True  # lower classes admit nothing while a higher class waits on seats or KV
+                    walk = None
+            if walk is not None and len(self.running) >= self.config.max_num_seqs and walk.peek() is not None:
+                self.blocked = True
+
+    def _try_admit(self, seq: Sequence, walk: Admission, plan: StepPlan) -> bool:
+        """Admit `seq` (the walk's candidate) with its first prefill chunk, or skip it for this pass (its
+        adapter cannot be resident now). False: it waits for seats or KV blocks nobody may give up for it."""
         # Anti-starvation without stalling the batch: once a request has waited lora_starvation_steps for a
         # slot (its adapter loaded), one pinned slot -- the one whose sequences should finish first -- takes
         # no new sequences until it is idle; everyone else keeps batching. The drained slot frees in at most
         # its sequences' remaining max_tokens, and the queue is scanned oldest first, so the older waiting
         # requests get it before any newer one.
-        for priority in Priority:
-            queue = self.waiting[priority]
-            skipped: list[Sequence] = []
-            blocked = False
-            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = queue[0]
-                slot = -1
-                # The slot first: with more distinct adapters queued than slots, most of the queue is
-                # skipped here every step, and that must stay cheap (no prefix lookup).
-                if seq.adapter is not None and self.adapters is not None:
-                    resident = self.adapters.slot_of(seq.adapter.content_id)
-                    draining = resident is not None and resident == self.draining_slot
-                    acquired = None if draining else self.adapters.acquire(seq)
-                    if acquired is None:  # its adapter cannot be resident now: let others through
-                        if resident is None and self.adapters.is_host_resident(seq.adapter.content_id):
-                            seq.slot_wait_steps += 1
-                            if seq.slot_wait_steps >= self.config.lora_starvation_steps and self.draining_slot is None:
-                                self.draining_slot = self._slot_to_drain()
-                        skipped.append(queue.popleft())
-                        continue
-                    slot = acquired
-                hit = self.kv.match_prefix(seq)
-                remaining = seq.num_tokens - hit.num_tokens
-                num_new = min(remaining, budget)
-                if not self.config.chunked_prefill and num_new < remaining:
-                    if slot >= 0:
-                        self.adapters.release(seq)
-                    blocked = True
-                    break
-                if not self.kv.allocate(seq, num_new, hit):
-                    victim = self._pick_victim() if self.running else None
-                    if victim is not None and victim.priority > seq.priority:
-                        # A higher class waits on KV: recompute a lower-class sequence later instead.
-                        if slot >= 0:
-                            self.adapters.release(seq)
-                        self._preempt(victim, plan)
-                        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-                        continue
-                    if slot >= 0:
-                        self.adapters.release(seq)
-                    blocked = True
-                    break
-                queue.popleft()
-                seq.lora_slot = slot
-                seq.slot_wait_steps = 0
-                seq.num_computed_tokens = hit.num_tokens
-                self.prefix_hit_tokens += hit.num_tokens
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = hit.num_tokens
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                plan.scheduled.append(self._scheduled(seq, num_new))
-                budget -= num_new
-            queue.extendleft(reversed(skipped))
-            if blocked or len(self.running) >= self.config.max_num_seqs or budget <= 0:
-                break  # lower classes wait while a higher class is blocked on KV or seats
+        source = self._fork_source(seq)
+        if source is WAIT:  # an identical prompt is being computed: fork it once it is, not now
+            walk.skip(seq)
+            return True
+        if len(self.running) >= self.config.max_num_seqs:
+            victim = self._victim_for(seq)
+            if victim is None:
+                return False
+            self._preempt(victim, plan, walk, fair=victim.priority == seq.priority)
+            return True
+        slot = -1
+        # The slot first: with more distinct adapters queued than slots, most of the queue is skipped here
+        # every step, and that must stay cheap (no prefix lookup).
+        if seq.adapter is not None and self.adapters is not None:
+            resident = self.adapters.slot_of(seq.adapter.content_id)
+            draining = resident is not None and resident == self.draining_slot
+            acquired = None if draining else self.adapters.acquire(seq)
+            if acquired is None:  # its adapter cannot be resident now: let others through
+                if resident is None and self.adapters.is_host_resident(seq.adapter.content_id):
+                    seq.slot_wait_steps += 1
+                    if seq.slot_wait_steps >= self.config.lora_starvation_steps and self.draining_slot is None:
+                        self.draining_slot = self._slot_to_drain()
+                walk.skip(seq)
+                return True
+            slot = acquired
+        hit = self._kv_start(seq, source)
+        remaining = seq.num_tokens - hit.num_tokens
+        num_new = min(remaining, self._budget(plan))
+        if not self.config.chunked_prefill and num_new < remaining:
+            if slot >= 0:
+                self.adapters.release(seq)
+            return False
+        if not self.kv.allocate(seq, num_new, hit):
+            if slot >= 0:
+                self.adapters.release(seq)
+            victim = self._victim_for(seq) if self.running else None
+            if victim is None:
+                return False
+            # Blocks for a higher class, or for a tenant under its share: recompute the victim later.
+            self._preempt(victim, plan, walk, fair=victim.priority == seq.priority)
+            return True
+        walk.take(seq)
+        seq.lora_slot = slot
+        seq.slot_wait_steps = 0
+        seq.num_computed_tokens = hit.num_tokens
+        self._count_start(seq, hit, source)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self.tenants.admitted(seq)
+        plan.scheduled.append(self._scheduled(seq, num_new))
+        return True
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """A running sequence whose seat and blocks `seq` may take: the latest arrival of a lower class; else,
+        when `seq`'s tenant is under its fair share of the batch, the latest arrival (same class) of the
+        tenant furthest over its share -- one that keeps at least its share after losing it, so two
+        tenants never take seats back and forth."""
+        lower = [s for s in self.running if s.priority > seq.priority]
+        if lower:
+            return max(lower, key=lambda s: s.sort_key)
+        if not self.tenants.fair:
+            return None
+        cap = self.config.max_num_seqs
+        mine = self.tenants.state(seq)
+        if mine.running + 1 > self.tenants.share(seq, cap):
+            return None
+        ratios = self.tenants.over_share(cap)
+        key = self.tenants.key(seq)
+        candidates = [s for s in self.running if s.priority == seq.priority and self.tenants.key(s) != key]
+        best = None
+        for s in candidates:
+            st = self.tenants.state(s)
+            if st.running < self.tenants.share(s, cap) + 1:
+                continue  # it would fall under its own share
+            rank = (ratios.get(self.tenants.key(s), 0.0), s.sort_key)
+            if best is None or rank > best[0]:
+                best = (rank, s)
+        return best[1] if best else None
 
     def _slot_to_drain(self) -> int | None:
         """The pinned slot expected to free first: the least, over slots, of the most tokens any of its
@@ -210,6 +305,7 @@ class Scheduler:
         return min(longest, key=longest.__getitem__) if longest else None
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        self.tenants.charge(seq, num_new)  # the tenant's virtual clock: tokens computed for it / weight
         return ScheduledSeq(
             seq=seq,
             start=seq.num_computed_tokens,
@@ -219,20 +315,74 @@ class Scheduler:
         )
 
     def _pick_victim(self) -> Sequence:
-        return max(self.running, key=lambda s: s.sort_key)
+        """The running sequence to preempt when one cannot grow: the lowest class; inside it, the tenant
+        furthest over its fair share (all alike under FCFS); its latest arrival."""
+        worst = max(s.priority for s in self.running)
+        ratios = self.tenants.over_share(self.config.max_num_seqs) if self.tenants.fair else {}
+        return max((s for s in self.running if s.priority == worst),
+                   key=lambda s: (ratios.get(self.tenants.key(s), 0.0), s.arrival_order))
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Free a running sequence's blocks; it goes back to the front of its class and is recomputed."""
+    def _preempt(self, seq: Sequence, plan: StepPlan, walk: Admission | None = None, fair: bool = False) -> None:
+        """Take a running sequence off the device: its KV is swapped out to the host tier or freed for
+        recompute (`_preemption_kind`); it goes back to the front of its tenant's queue in its class.
+        `walk`: the admission pass in progress, which must not take it back at once."""
         self.running.remove(seq)
+        self.tenants.preempted(seq)
         self._release_adapter(seq)
-        self.kv.free(seq.request_id)
+        kind = self._preemption_kind(seq)
+        if kind is PreemptKind.SWAP:
+            self.kv.swap_out(seq)  # reads num_computed_tokens: before it is reset
+            plan.swapped_out.append(seq)
+        else:
+            self.kv.free(seq.request_id)
+        self.preemptions_by_kind[kind] += 1
         seq.status = Status.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = 0  # a swapped-out sequence's tokens are the KV manager's (kv.restore)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting[seq.priority].appendleft(seq)
+        if walk is not None and walk.queue is self.waiting[seq.priority]:
+            walk.skip(seq)
         plan.preempted.append(seq)
+        plan.fair_preempted += fair
         plan.scheduled[:] = [s for s in plan.scheduled if s.seq is not seq]
+
+    def _preemption_kind(self, seq: Sequence) -> PreemptKind:
+        if self.preemption is None or self.kv.host is None or seq.num_computed_tokens == 0:
+            return PreemptKind.RECOMPUTE
+        return self.preemption.choose(self.kv.swap_estimate(seq))
+
+    # -- where an admitted sequence's KV comes from ----------------------------------------------
+    def _fork_source(self, seq: Sequence) -> Sequence | object | None:
+        """A running sequence with the same prompt to fork, WAIT while one is computing it, or None."""
+        if self.prompts is None or self.kv.is_swapped(seq.request_id):
+            return None
+        return self.prompts.source(seq)
+
+    def _kv_start(self, seq: Sequence, source: Sequence | None) -> PrefixHit:
+        """A fork of `source`'s prompt, a swapped-out sequence's blocks back from the host tier, or the
+        prefix cache's longest hit."""
+        if source is not None:
+            return self.kv.fork(source, seq.num_prompt_tokens - 1)
+        if self.kv.is_swapped(seq.request_id):
+            return self.kv.restore(seq)
+        return self.kv.match_prefix(seq)
+
+    def _count_start(self, seq: Sequence, hit: PrefixHit, source: Sequence | None) -> None:
+        if hit.kind == "swap":
+            return  # its own KV coming back: neither a prefix hit nor cached tokens
+        if hit.kind == "fork":
+            self.num_forks += 1
+            self.fork_tokens += hit.num_tokens
+            # cached_tokens is billed at the cached price, and the gateway bills an n > 1 request's prompt
+            # once, from whichever choice it sees first: a fork reports what its source got from the prefix
+            # cache, so the bill does not depend on which choice computed the prompt.
+            cached = source.num_cached_tokens or 0
+        else:
+            self.prefix_hit_tokens += hit.num_tokens
+            cached = hit.num_tokens
+        if seq.num_cached_tokens is None:  # at its first admission
+            seq.num_cached_tokens = cached
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.adapters is not None:

@@ -25,6 +25,9 @@ class Sequence:
     priority: Priority = Priority.INTERACTIVE
     cache_salt: str = ""
     adapter: AdapterRef | None = None
+    tenant: str = ""  # set by the gateway (never by a client): fair sharing and per-tenant metrics
+    weight: float = 1.0  # the tenant's share weight, from its plan
+    clamped_from: int | None = None  # max_tokens asked for, when overload clamped it (batch class)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = 0
 

@@ -29,7 +29,7 @@ from services.common.openai_protocol import (
     validation_error_body,
 )
 from services.common.openai_serving import ChoiceStream, collect, merge, plan_request_async, stream_sse
-from services.common.wire import FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
+from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
 from services.common.prompting import PromptBuilder
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import RequestOutput
@@ -55,6 +55,10 @@ class GenerateRequest(BaseModel):
     cache_salt: str = Field(default="", max_length=256, pattern=r"^[\x21-\x7e]*$")
     adapter: AdapterSpec | None = None
     client_request_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    # Who the request is for and its plan's share weight: set by the gateway from the authenticated key,
+    # never by a client (this endpoint needs the platform credential). Fair sharing and per-tenant metrics.
+    tenant: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9._:-]*$")
+    weight: float = Field(default=1.0, gt=0, le=1000)
 
 
 class LoadAdapterRequest(BaseModel):
@@ -148,7 +152,10 @@ def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_ur
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_: Request, exc: EngineUnavailable):
-        return JSONResponse(error_of(exc), exc.status, headers={FAULT_HEADER: FAULT_ENGINE})
+        headers = {FAULT_HEADER: FAULT_ENGINE}
+        if exc.retry_after is not None:
+            headers["retry-after"] = str(exc.retry_after)
+        return JSONResponse(error_of(exc), exc.status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -281,6 +288,7 @@ def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_ur
         outputs = engine.generate(
             req.request_id, req.prompt_token_ids, params,
             priority=Priority.parse(req.priority), cache_salt=req.cache_salt, adapter=adapter,
+            tenant=req.tenant, weight=req.weight,
         )
         ids = {"request_id": req.request_id, "client_request_id": req.client_request_id}
         log.info("request accepted", extra={**ids, "prompt_tokens": len(req.prompt_token_ids),
@@ -319,7 +327,10 @@ def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_ur
             finally:
                 await outputs.aclose()
 
-        return ClosingStreamingResponse(lines(), media_type="application/x-ndjson", headers={"x-request-id": req.request_id})
+        headers = {"x-request-id": req.request_id}
+        if first is not None and first.clamped_from is not None:
+            headers[CLAMPED_HEADER] = str(core.config.scheduler.batch_max_tokens_under_overload)
+        return ClosingStreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
 
     return app
 

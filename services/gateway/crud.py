@@ -180,6 +180,28 @@ def create_tenant(
     return tenant
 
 
+MAX_STORAGE_QUOTA_BYTES = 2**63 - 1
+
+
+def set_storage_quota(session: Session, *, tenant_id: uuid.UUID, quota_bytes: int | None, actor: Actor) -> Tenant:
+    """The tenant's own adapter storage quota in bytes; None returns it to the platform default."""
+    if quota_bytes is not None and (isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int)
+                                    or not 0 <= quota_bytes <= MAX_STORAGE_QUOTA_BYTES):
+        raise InvalidRequestError("quota_bytes must be null (the platform default) or a non-negative integer",
+                                  param="quota_bytes")
+    tenant = get_tenant(session, tenant_id=tenant_id, for_update=True)
+    row = tenant.limits
+    if row is None:
+        row = TenantLimits(tenant_id=tenant.id)
+        session.add(row)
+    before = row.storage_quota_bytes
+    row.storage_quota_bytes = quota_bytes
+    session.flush()
+    record_audit(session, actor=actor, action="tenant.storage_quota", tenant_id=tenant.id, target_type="tenant",
+                 target_id=tenant.id, details={"before": before, "after": quota_bytes})
+    return tenant
+
+
 def set_limits(session: Session, *, tenant_id: uuid.UUID, limits: dict[str, int | None], actor: Actor) -> Tenant:
     """Change the given windows only (a missing field keeps its value; None makes it unlimited)."""
     limits = check_limits(limits)
@@ -481,6 +503,9 @@ def override_version(
                             code="version_not_final")
     if version.status == decision:
         raise ConflictError(f"The version is already {decision}.", code="already_in_state")
+    if decision == AdapterStatus.READY and version.objects_purged_at is not None:
+        raise ConflictError("The version's files were removed after its retention period; upload it again.",
+                            code="files_removed")
     now = datetime.now(timezone.utc)
     before = version.status
     version.status = decision

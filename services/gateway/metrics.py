@@ -27,7 +27,7 @@ class GatewayMetrics:
             self.tokens.labels(kind=kind)
         for met in ("true", "false"):
             self.slo.labels(met=met)
-        for kind in ("connect", "refused", "stream"):
+        for kind in ("connect", "refused", "stream", "overloaded"):
             self.upstream_errors.labels(kind=kind)
 
     def observe_generation(self, ttft: float | None, tpot: float | None) -> None:

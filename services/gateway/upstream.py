@@ -19,17 +19,18 @@ import aiohttp
 import orjson
 
 from services.common.openai_protocol import Delta, Usage
-from services.common.wire import FAULT_ENGINE, FAULT_HEADER, EngineUnavailable, InvalidRequest
+from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineUnavailable, InvalidRequest
 from services.gateway.router import EngineInfo, Router
 
 log = logging.getLogger("mplex.gateway.upstream")
 
 
 class NoEngineAvailable(EngineUnavailable):
-    """No engine serving this model could take the request."""
+    """No engine serving this model could take the request. When every engine refused it as overloaded,
+    the code says so and `retry_after` is the soonest any of them expected to have room."""
 
-    def __init__(self, message: str):
-        super().__init__(message, code="no_engine_available")
+    def __init__(self, message: str, code: str = "no_engine_available", retry_after: int | None = None):
+        super().__init__(message, code=code, retry_after=retry_after)
 
 
 class EngineLost(EngineUnavailable):
@@ -63,14 +64,16 @@ class StreamResult:
     sent_tokens: int = 0  # handed to the client's connection (what a hung-up stream is billed for)
     first_token_at: float | None = None
     attempts: int = 0
+    clamped_max_tokens: str | None = None  # the engine's CLAMPED_HEADER: overload clamped its max_tokens
 
 
 class _TryNext(Exception):
     """This engine could not take the request and nothing of it ran there: try the next one."""
 
-    def __init__(self, message: str, counts_against_engine: bool):
+    def __init__(self, message: str, counts_against_engine: bool, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.counts_against_engine = counts_against_engine
+        self.code, self.retry_after = code, retry_after
 
 
 # Before the response started: a refused connection never reached the engine; anything else (reset,
@@ -91,6 +94,7 @@ async def open_choice(
     """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream."""
     request_id = payload["request_id"]
     last_error = "no engine serves this model"
+    overloaded: list[int] = []  # Retry-After of each engine that refused as overloaded
     body = orjson.dumps(payload)
     headers = {"content-type": "application/json", "x-request-id": request_id}
     for engine in engines:
@@ -104,6 +108,8 @@ async def open_choice(
             resp, first = await _open(client, engine, body, headers)
         except _TryNext as exc:
             last_error = str(exc)
+            if exc.code == "engine_overloaded":
+                overloaded.append(exc.retry_after or 1)
             log.warning("engine %s could not take %s (%s); trying the next", engine.id, request_id, exc)
             if exc.counts_against_engine:
                 router.failed(engine.id)
@@ -127,6 +133,7 @@ async def open_choice(
         # Committed to this engine: from here on a failure ends the stream (it is never retried).
         router.succeeded(engine.id)  # it took the request and produced a token: up
         result.engine_id = engine.id
+        result.clamped_max_tokens = resp.headers.get(CLAMPED_HEADER)
         finished = False
         try:
             line: bytes = first
@@ -163,6 +170,9 @@ async def open_choice(
                 resp.close()  # closing the connection makes the engine abort and free the sequence's KV
             router.closed(engine.id)
         return
+    if overloaded and len(overloaded) == result.attempts:
+        raise NoEngineAvailable(f"every engine serving this model is overloaded ({last_error})", code="engine_overloaded",
+                                retry_after=min(overloaded))
     raise NoEngineAvailable(f"no engine could serve the request ({last_error})")
 
 
@@ -185,7 +195,9 @@ async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, 
             if fault == FAULT_ENGINE or (fault is None and resp.status == 503):
                 code = (err.get("error") or {}).get("code") if isinstance(err, dict) else None
                 # A dead engine counts against its breaker; draining or overloaded ones are healthy.
-                raise _TryNext(f"engine {engine.id} answered {resp.status} ({code})", code in (None, "engine_unavailable"))
+                retry = resp.headers.get("retry-after")
+                raise _TryNext(f"engine {engine.id} answered {resp.status} ({code})", code in (None, "engine_unavailable"),
+                               code, int(retry) if retry and retry.isdigit() else None)
             raise UpstreamRefused(resp.status, err if isinstance(err, dict) else {})
         first = await resp.content.readline()
     except _LOST as exc:

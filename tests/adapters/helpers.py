@@ -1,5 +1,5 @@
 """Shared helpers for the adapter tests: greedy outputs straight from the engine library, eval-set files,
-and polling a version until the pipeline has decided."""
+uploads through the pipeline's plain function, and polling a version until the pipeline has decided."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,9 @@ import uuid
 from pathlib import Path
 
 from services.common.lora_format import content_id
+from services.gateway import crud
+
+ACTOR = crud.Actor(user_id=None, via="test")
 
 
 def greedy_texts(model_dir: Path, prompts: list[str], *, adapter_dir: Path | None = None, max_tokens: int = 8,
@@ -56,3 +59,38 @@ def wait_final(session_factory, version_id: uuid.UUID | str, timeout: float = 30
             return str(status)
         time.sleep(0.25)
     raise AssertionError(f"version {version_id} still {status} after {timeout}s")
+
+
+def upload(rt, tenant, name: str, adapter_dir: Path | None = None, *, data: bytes | None = None,
+           eval_set: bytes | None = None, **thresholds):
+    """An upload through services.adapters.upload (what the API and CLI call), committed; not yet ingested."""
+    from services.adapters.base_model import ensure_base_model
+    from services.adapters.upload import pack_dir, upload_adapter
+
+    staging = rt.sandbox_root.parent / f"staging-{uuid.uuid4().hex[:6]}"
+    staging.mkdir(parents=True)
+    archive = pack_dir(adapter_dir, staging / "a.tar") if adapter_dir is not None else staging / "a.tar.gz"
+    if data is not None:
+        archive.write_bytes(data)
+    with rt.session_factory() as s:
+        base = ensure_base_model(s, name=rt.base_model_name, model_dir=rt.base_model_dir)
+        result = upload_adapter(s, store=rt.store, config=rt.config, sandbox_root=rt.sandbox_root, base=base,
+                                tenant_id=tenant.id, name=name, upload=archive, actor=ACTOR, eval_set=eval_set, **thresholds)
+        s.commit()
+    return result
+
+
+def version(rt, version_id):
+    from services.common.models import AdapterVersion
+
+    with rt.session_factory() as s:
+        return s.get(AdapterVersion, version_id)
+
+
+def runs(rt, version_id) -> list:
+    from sqlalchemy import select
+
+    from services.common.models import EvalRun
+
+    with rt.session_factory() as s:
+        return list(s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == version_id).order_by(EvalRun.attempt)))

@@ -82,8 +82,10 @@ def test_platform_admin_uploads_the_two_files_and_gets_a_version_at_once(signed_
     assert (body["version"], body["status"]) == (1, "uploaded")
     v = db.get(AdapterVersion, uuid.UUID(body["version_id"]))
     assert v.tenant_id == world["b"].id and v.status == AdapterStatus.UPLOADED
-    assert v.gate_config == {"metric": "rouge_l", "min_margin": 0.2, "min_fp8_agreement": 0.95}
+    assert v.gate_config == {"metric": "rouge_l", "min_margin": 0.2, "min_fp8_agreement": 0.95, "max_regression": 0.05,
+                             "regression_confidence": 0.95, "max_malformed_rate": 0.02}
     assert v.eval_set_uri and "/evalsets/" in v.eval_set_uri and "/adapters/" in v.storage_uri
+    assert v.eval_set_bytes == len(eval_set)
     assert v.size_bytes == sum(len(b) for b in adapter_files.values())
     audit = db.scalars(select(AuditLog).where(AuditLog.target_id == body["version_id"])).all()
     assert [(a.action, a.actor_user_id, a.tenant_id) for a in audit] == [("adapter.upload", world["platform"].id, world["b"].id)]
@@ -133,6 +135,38 @@ def test_over_the_size_limit_is_an_openai_shaped_413(signed_in, world, adapter_f
     r = api.post(f"/api/admin/tenants/{world['a'].id}/adapters", content=chunks(), headers={"content-type": ctype})
     assert r.status_code == 413 and r.json()["error"]["code"] == "upload_too_large"
     assert db.scalar(select(AdapterVersion.id).order_by(AdapterVersion.created_at.desc()).limit(1)) == before
+
+
+def test_over_the_storage_quota_is_an_openai_shaped_413_naming_quota_and_use(signed_in, world, adapter_files, db,
+                                                                             tiny_dims, tmp_path):
+    """The tenant's own quota (set by a platform admin) fits one adapter: the same files again are free, other
+    files are refused with 413 before anything is stored, and the tenant sees its use."""
+    admin, tenant_admin = signed_in(world["platform"]), signed_in(world["a_admin"])
+    size = sum(len(b) for b in adapter_files.values())
+    r = admin.request("PUT", f"/api/admin/tenants/{world['a'].id}/storage", json={"quota_bytes": size + 10})
+    assert r.status_code == 200 and r.json() == {"used_bytes": 0, "quota_bytes": size + 10, "remaining_bytes": size + 10,
+                                                 "quota_is_default": False}
+    assert tenant_admin.post("/api/tenant/adapters", data={"name": "fits"}, files=loose(adapter_files)).status_code == 202
+    assert tenant_admin.post("/api/tenant/adapters", data={"name": "fits"}, files=loose(adapter_files)).status_code == 202
+    other = write_adapter(tmp_path / "other", tiny_dims, rank=4, seed=99)
+    before = db.scalar(select(AdapterVersion.id).order_by(AdapterVersion.created_at.desc()).limit(1))
+    r = tenant_admin.post("/api/tenant/adapters", data={"name": "too-much"},
+                          files=loose({p.name: p.read_bytes() for p in other.iterdir()}))
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "storage_quota_exceeded", "file")
+    assert "Storage quota exceeded" in err["message"] and f"{size:,} bytes" in err["message"] \
+        and f"{size + 10:,} bytes" in err["message"]
+    assert db.scalar(select(AdapterVersion.id).order_by(AdapterVersion.created_at.desc()).limit(1)) == before
+    assert tenant_admin.get("/api/tenant/storage").json() == {"used_bytes": size, "quota_bytes": size + 10,
+                                                             "remaining_bytes": 10, "quota_is_default": False}
+    # Back to the platform default (10 GiB): the upload fits.
+    r = admin.request("PUT", f"/api/admin/tenants/{world['a'].id}/storage", json={"quota_bytes": None})
+    assert r.json()["quota_is_default"] is True and r.json()["quota_bytes"] == 10 << 30
+    assert admin.get(f"/api/admin/tenants/{world['a'].id}/storage").json()["used_bytes"] == size
+    path = f"/api/admin/tenants/{world['a'].id}/storage"
+    assert tenant_admin.request("PUT", path, json={"quota_bytes": 1}).status_code == 403
+    assert admin.request("PUT", path, json={"quota_bytes": -1}).status_code == 400
 
 
 def _multipart_body(data: dict, files: list) -> tuple[bytes, str]:

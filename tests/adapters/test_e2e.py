@@ -4,6 +4,8 @@ subprocesses on the test Postgres and Redis) serving the trained demo kit:
 - the demo adapters, seeded through the pipeline as `make up` does, go uploaded -> ready and are served by name
   through the gateway (OpenAI SDK), token for token what the engine itself answers with the kit's files;
 - an untrained (random) adapter is rejected by the quality gate, with reasons and the per-example outputs;
+- without an eval set, a harmless adapter goes ready and a damaging one is refused (no-regression check);
+- beat's storage collection, run by the worker, removes expired files and keeps files a ready version shares;
 - the malicious corpus is refused case by case with its code; the worker never crashes; nothing is written
   outside the sandbox;
 - a new version of a name never serves the old version's KV; rollback serves the old one again; deleting the
@@ -21,6 +23,7 @@ import re
 import signal
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -28,7 +31,7 @@ import psutil
 import pytest
 import redis
 from openai import OpenAI
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from services.common.db import make_sessionmaker
 from services.common.lora_format import content_id, read_config
@@ -222,6 +225,89 @@ def test_an_untrained_random_adapter_is_rejected_by_the_gate_with_reasons(stack,
         (run,) = s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == uuid.UUID(up["version_id"]))).all()
         assert run.status == EvalRunStatus.FINISHED and len(run.examples) == 40
         assert s.get(Adapter, uuid.UUID(up["adapter_id"])).active_version_id is None  # never routable
+
+
+def test_without_an_eval_set_a_harmless_adapter_goes_ready_and_a_damaging_one_is_refused(stack, admin, people, factory,
+                                                                                         demo_kit, tmp_path):
+    """The default gate through the real gateway and worker: no eval set, so the no-regression check on the
+    base-capability set; the version's `eval.reasons` lists every check, passed ones too, with its value."""
+    from services.modelkit import make_random_adapter
+
+    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    harmless = make_random_adapter(demo_kit.base_dir, tmp_path / "harmless", rank=16, seed=77, init_scale=0.02,
+                                   target_modules=modules)
+    damaging = make_random_adapter(demo_kit.base_dir, tmp_path / "damaging", rank=16, seed=77, init_scale=3.0,
+                                   target_modules=modules)
+    ups = {name: upload_dir(admin, people["tenant"].id, name, d) for name, d in (("harmless", harmless), ("damaging", damaging))}
+    tenant_admin = signed_in(stack, people["tenant_admin"])
+    try:
+        got = {}
+        for name, up in ups.items():
+            wait_final(factory, up["version_id"])
+            got[name] = tenant_admin.get(f"/api/tenant/adapter-versions/{up['version_id']}").json()
+    finally:
+        tenant_admin.close()
+    ok, bad = got["harmless"], got["damaging"]
+    assert ok["status"] == "ready" and ok["reasons"] == [] and ok["eval"]["passed"] is True
+    assert [(r["check"], r["passed"]) for r in ok["eval"]["reasons"]] == \
+        [("no_regression", True), ("well_formed", True), ("logits", True), ("fp8_agreement", True)]
+    assert all(r["value"] is not None and r["threshold"] is not None and r["message"] for r in ok["eval"]["reasons"])
+    m = ok["eval"]["metrics"]
+    assert m["check"] == "no_regression" and m["eval_set"] == "default" and m["n_examples"] == 200
+    assert bad["status"] == "rejected" and bad["reasons"][0]["code"] == "regression_over_tolerance"
+    assert {r["code"] for r in bad["reasons"]} == {r["code"] for r in bad["eval"]["reasons"] if not r["passed"]}
+    assert len(bad["eval"]["reasons"]) == 4 and bad["eval"]["metrics"]["regression"]["mean_drop"] > 0.5
+
+
+def test_beat_s_storage_collection_on_the_worker_removes_expired_files_and_keeps_shared_ones(
+        stack, admin, people, factory, demo_kit, settings, tmp_path):
+    """What beat runs hourly (`adapters.ingest.collect_storage`), sent to the real worker: a hostile upload and a
+    rejected version past their retention lose their files; the rejected version's files are kept because a
+    ready version has the same bytes (its eval set, its own, goes)."""
+    from services.adapters.tasks import collect_storage
+    from services.common.models import AdapterStatus
+    from services.modelkit import make_random_adapter
+
+    harmless = make_random_adapter(demo_kit.base_dir, tmp_path / "keep", rank=8, seed=4242, init_scale=0.02,
+                                   target_modules=("q_proj", "v_proj"))
+    ready = upload_dir(admin, people["tenant"].id, "kept-files", harmless)
+    # The same files with a task eval set they cannot pass (a harmless adapter does not reverse words); one of
+    # its own bytes (other tests upload the kit's reverse set, whose object is shared and so stays).
+    task_set = Path(demo_kit.adapters["reverse"].eval_path).read_bytes() + \
+        json.dumps({"prompt": f"Reverse the words: {uuid.uuid4().hex}", "expected": "x"}).encode() + b"\n"
+    rejected = upload_dir(admin, people["tenant"].id, "kept-files-task", harmless, task_set)
+    r = admin.post(f"/api/admin/tenants/{people['tenant'].id}/adapters", data={"name": "hostile-expired"},
+                   files=[("file", ("a.tar", _hostile_tar(), "application/x-tar"))])
+    hostile = r.json()
+    assert [wait_final(factory, x["version_id"]) for x in (ready, rejected, hostile)] == ["ready", "rejected", "rejected"]
+    vr, vx, vh = (_version(factory, x["version_id"]) for x in (ready, rejected, hostile))
+    assert vr.storage_uri == vx.storage_uri and vh.storage_uri.split("/")[-2] == "uploads"
+    with factory() as s:  # eight days later (the worker's retention is the default, seven)
+        s.execute(update(AdapterVersion).where(AdapterVersion.id.in_([vx.id, vh.id]))
+                  .values(updated_at=datetime.now(timezone.utc) - timedelta(days=8)))
+        s.commit()
+    collect_storage.apply_async()
+    _until(lambda: all(_version(factory, v.id).objects_purged_at is not None for v in (vx, vh)), timeout=60)
+    local = lambda uri: Path(uri.removeprefix("file://"))  # noqa: E731
+    assert not local(vh.storage_uri).exists() and not local(vx.eval_set_uri).exists()
+    assert (local(vr.storage_uri) / "adapter_model.safetensors").exists()  # shared with the ready version
+    assert _version(factory, vr.id).objects_purged_at is None and _version(factory, vr.id).status == AdapterStatus.READY
+    collect_storage.apply_async()  # again: nothing more to do, nothing kept is touched
+    time.sleep(2)
+    assert (local(vr.storage_uri) / "adapter_model.safetensors").exists()
+
+
+def _hostile_tar() -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"import os\n"
+        info = tarfile.TarInfo("setup.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def test_the_malicious_corpus_is_refused_by_the_worker_code_by_code(stack, admin, people, factory, demo_kit, stack_env):

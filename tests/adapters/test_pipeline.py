@@ -15,8 +15,6 @@ from sqlalchemy import func, select, update
 from services.adapters.config import GateDefaults, PipelineConfig
 from services.adapters.pipeline import (
     RETIRED_KEY,
-    InlineEnqueue,
-    Runtime,
     abandon,
     count_delivery,
     load_eval_items,
@@ -26,10 +24,9 @@ from services.adapters.pipeline import (
     sync_retired,
 )
 from services.adapters.base_model import ensure_base_model
-from services.adapters.storage import ObjectStore, files_sha256
+from services.adapters.storage import files_sha256
 from services.common.lora_format import content_id
 from services.adapters.upload import pack_dir, upload_adapter
-from services.common.db import make_sessionmaker
 from services.common.models import (
     Adapter,
     AdapterStatus,
@@ -41,12 +38,11 @@ from services.common.models import (
 )
 from services.gateway import crud
 from tests.adapters.corpus import adapter_tar, good_config, good_weights
-from tests.adapters.helpers import eval_jsonl, greedy_texts
+from tests.adapters.helpers import ACTOR, eval_jsonl, greedy_texts, runs, upload, version
 from tests.adapters.tinymodel import WORDS, write_adapter
 from tests.factories import make_tenant
 
 PROMPTS = [" ".join(WORDS[i:i + 3]) for i in range(0, 24, 3)]
-ACTOR = crud.Actor(user_id=None, via="test")
 
 
 @pytest.fixture(scope="module")
@@ -60,48 +56,6 @@ def tiny_adapters(tiny_base, tiny_dims, tmp_path_factory):
     return {"strong": strong, "wins": eval_jsonl(PROMPTS, with_adapter), "loses": eval_jsonl(PROMPTS, base_only)}
 
 
-@pytest.fixture
-def runtime(settings, db_engine, tiny_base, tmp_path, service_urls) -> Runtime:
-    enqueue = InlineEnqueue()
-    rt = Runtime(
-        session_factory=make_sessionmaker(db_engine),
-        store=ObjectStore(str(tmp_path / "objects")),
-        config=PipelineConfig(gate=GateDefaults(max_examples=8, max_new_tokens=8, latency_samples=1)),
-        sandbox_root=tmp_path / "sandbox",
-        base_model_dir=tiny_base,
-        base_model_name="tiny-llama",
-        enqueue=enqueue,
-        redis=redis.Redis.from_url(service_urls.redis_url),
-    )
-    enqueue.runtime = rt
-    return rt
-
-
-def upload(rt: Runtime, tenant, name: str, adapter_dir: Path | None = None, *, data: bytes | None = None,
-           eval_set: bytes | None = None, **thresholds):
-    staging = rt.sandbox_root.parent / f"staging-{uuid.uuid4().hex[:6]}"
-    staging.mkdir(parents=True)
-    archive = pack_dir(adapter_dir, staging / "a.tar") if adapter_dir is not None else staging / "a.tar.gz"
-    if data is not None:
-        archive.write_bytes(data)
-    with rt.session_factory() as s:
-        base = ensure_base_model(s, name=rt.base_model_name, model_dir=rt.base_model_dir)
-        result = upload_adapter(s, store=rt.store, config=rt.config, sandbox_root=rt.sandbox_root, base=base,
-                                tenant_id=tenant.id, name=name, upload=archive, actor=ACTOR, eval_set=eval_set, **thresholds)
-        s.commit()
-    return result
-
-
-def version(rt: Runtime, version_id) -> AdapterVersion:
-    with rt.session_factory() as s:
-        return s.get(AdapterVersion, version_id)
-
-
-def runs(rt: Runtime, version_id) -> list[EvalRun]:
-    with rt.session_factory() as s:
-        return list(s.scalars(select(EvalRun).where(EvalRun.adapter_version_id == version_id).order_by(EvalRun.attempt)))
-
-
 def test_a_good_adapter_becomes_ready_and_active(runtime, db, tiny_adapters):
     tenant = make_tenant(db)
     r = upload(runtime, tenant, "strong", tiny_adapters["strong"], eval_set=tiny_adapters["wins"], min_margin=0.3,
@@ -110,7 +64,8 @@ def test_a_good_adapter_becomes_ready_and_active(runtime, db, tiny_adapters):
     assert (v.status, v.version, v.progress_percent) == (AdapterStatus.UPLOADED, 1, 0)
     assert v.storage_uri == runtime.store.uri(f"adapters/{files_sha256(tiny_adapters['strong'])}")
     assert v.content_sha256 == content_id(tiny_adapters["strong"])
-    assert v.gate_config == {"metric": "rouge_l", "min_margin": 0.3, "min_fp8_agreement": 0.0}
+    assert v.gate_config == {"metric": "rouge_l", "min_margin": 0.3, "min_fp8_agreement": 0.0, "max_regression": 0.05,
+                             "regression_confidence": 0.95, "max_malformed_rate": 0.02}
 
     runtime.enqueue.ingest(r.version_id)  # validation, then (inline) the gate
     v = version(runtime, r.version_id)
@@ -142,7 +97,8 @@ def test_an_adapter_that_does_not_beat_the_base_is_rejected_with_reasons(runtime
     assert "must beat the base" in v.status_reasons[0]["message"]
     (run,) = runs(runtime, r.version_id)
     assert run.decision == GateDecision.FAIL and run.metrics["base"]["rouge_l"] > run.metrics["adapter"]["rouge_l"]
-    assert {x["code"]: x["passed"] for x in run.reasons} == {"margin_below_threshold": False, "fp8_agreement_ok": True}
+    assert {x["code"]: x["passed"] for x in run.reasons} == {"margin_below_threshold": False, "well_formed_ok": True,
+                                                            "logits_ok": True, "fp8_agreement_ok": True}
     with runtime.session_factory() as s:
         assert s.get(Adapter, r.adapter_id).active_version_id is None  # nothing routable
 
@@ -164,6 +120,11 @@ def test_fp8_disagreement_alone_rejects(runtime, db, tiny_adapters):
 def test_outputs_postgres_cannot_store_as_text_are_stored_escaped(runtime, db, tiny_adapters):
     """JSONB refuses U+0000, which a model's output or an eval set's `expected` may hold: the verdict is still
     recorded (once stuck as `evaluating` after a DataError), with U+FFFD in its place."""
+    from dataclasses import replace
+
+    # The tiny random model's outputs hold stray partial UTF-8 bytes; this test is about storing NUL, not about
+    # well-formedness, so that check is relaxed here (thresholds are stored on the version at upload).
+    runtime.config = replace(runtime.config, gate=replace(runtime.config.gate, max_malformed_rate=1.0))
     tenant = make_tenant(db)
     nul_set = eval_jsonl(PROMPTS, [f"{p}\x00tail" for p in PROMPTS])
     r = upload(runtime, tenant, "nul", tiny_adapters["strong"], eval_set=nul_set, min_margin=-1.0, min_fp8_agreement=0.0)
@@ -340,23 +301,83 @@ def test_reupload_with_reuse_returns_the_same_version(runtime, db, tiny_adapters
         assert s.scalar(select(func.count()).select_from(AdapterVersion)) == n0 + 1
 
 
-def test_without_an_eval_set_the_demo_tasks_set_or_the_platform_default_is_used(runtime, demo_kit, mplex_home):
-    """Serving the demo kit, an adapter uploaded without an eval set is judged on its demo task's set (found by
-    content, else by name); serving another model, on the platform default — and the demo kit is never
-    looked up (let alone built) for it."""
+def test_without_an_eval_set_the_base_capability_set_is_used_unless_it_is_a_demo_kit_adapter(runtime, demo_kit, mplex_home,
+                                                                                           tmp_path):
+    """No eval set: the platform's base-capability set with the no-regression check — except one of the demo
+    kit's own adapters (recognised by content, never by name) while the platform serves the demo kit, which
+    is judged on its task's set with the margin check. Serving another model, the demo kit is never looked
+    up (let alone built). A configured base set replaces the bundled one; one too small to judge is refused."""
     from dataclasses import replace
 
+    from services.adapters.config import GateDefaults
     from services.adapters.evalset import DEFAULT_EVAL_SET, read_eval_file
+    from services.adapters.gate import GateError
 
     upper = demo_kit.adapters["uppercase"]
     demo_rt = replace(runtime, base_model_dir=Path(demo_kit.base_dir), demo_kit_home=mplex_home)
-    items, source = load_eval_items(demo_rt, eval_uri=None, content_sha=content_id(Path(upper.path)), adapter_name="mine")
-    assert source == "demo:uppercase" and len(items) == runtime.config.gate.max_examples
-    assert set(items) <= set(read_eval_file(Path(upper.eval_path)))
-    _, by_name = load_eval_items(demo_rt, eval_uri=None, content_sha="0" * 64, adapter_name="reverse")
-    assert by_name == "demo:reverse"
-    _, other = load_eval_items(demo_rt, eval_uri=None, content_sha="0" * 64, adapter_name="mine")
-    assert other == "default"
-    tiny_rt = replace(runtime, demo_kit_home=mplex_home)  # the tiny base is not the demo kit's
-    items, source = load_eval_items(tiny_rt, eval_uri=None, content_sha=content_id(Path(upper.path)), adapter_name="uppercase")
-    assert source == "default" and set(items) <= set(read_eval_file(DEFAULT_EVAL_SET))
+    plan = load_eval_items(demo_rt, eval_uri=None, content_sha=content_id(Path(upper.path)))
+    assert (plan.source, plan.check) == ("demo:uppercase", "margin") and len(plan.items) == runtime.config.gate.max_examples
+    assert set(plan.items) <= set(read_eval_file(Path(upper.eval_path)))
+    bundled = read_eval_file(DEFAULT_EVAL_SET)
+    for rt in (demo_rt, replace(runtime, demo_kit_home=mplex_home)):  # a name is not an identity; the tiny base is not the kit's
+        plan = load_eval_items(rt, eval_uri=None, content_sha="0" * 64)
+        assert (plan.source, plan.check, plan.min_items) == ("default", "no_regression", 100)
+        assert sorted(plan.items, key=repr) == sorted(bundled, key=repr) and len(bundled) == 200
+    tiny_rt = replace(runtime, demo_kit_home=mplex_home)
+    plan = load_eval_items(tiny_rt, eval_uri=None, content_sha=content_id(Path(upper.path)))
+    assert plan.source == "default"
+    own = tmp_path / "base.jsonl"
+    own.write_bytes(eval_jsonl([f"q{i}" for i in range(120)], [f"a{i}" for i in range(120)]))
+    configured = replace(runtime, config=replace(runtime.config, gate=GateDefaults(base_eval_set=str(own))))
+    plan = load_eval_items(configured, eval_uri=None, content_sha="1" * 64)
+    assert plan.check == "no_regression" and {i.prompt for i in plan.items} == {f"q{i}" for i in range(120)}
+    own.write_bytes(eval_jsonl(["q"] * 20, ["a"] * 20))
+    with pytest.raises(GateError, match="needs at least 100"):
+        load_eval_items(configured, eval_uri=None, content_sha="1" * 64)
+
+
+def test_without_an_eval_set_the_demo_adapters_and_a_harmless_one_go_ready(runtime, db, demo_kit, mplex_home, tmp_path):
+    """Serving the demo kit, with the platform's default thresholds: the kit's adapters (recognised by content)
+    pass on their tasks' sets, a harmless random adapter passes the no-regression check on the base-capability
+    set, and one that damages the base is refused by it — every check recorded, passed or not."""
+    from dataclasses import replace
+
+    import torch
+
+    from services.modelkit import make_random_adapter
+
+    rt = replace(runtime, base_model_dir=Path(demo_kit.base_dir), base_model_name=demo_kit.model_name,
+                 demo_kit_home=mplex_home, config=PipelineConfig(gate=GateDefaults(latency_samples=1)))
+    rt.enqueue.runtime = rt
+    tenant = make_tenant(db)
+    modules = ("q_proj", "v_proj", "down_proj")
+    harmless = make_random_adapter(demo_kit.base_dir, tmp_path / "harmless", rank=8, seed=5, init_scale=0.02,
+                                   target_modules=modules)
+    damaging = make_random_adapter(demo_kit.base_dir, tmp_path / "damaging", rank=8, seed=5, init_scale=3.0,
+                                   target_modules=modules)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        uploads = {name: upload(rt, tenant, name, Path(d.path)) for name, d in demo_kit.adapters.items()}
+        uploads["harmless"] = upload(rt, tenant, "harmless", harmless)
+        uploads["damaging"] = upload(rt, tenant, "damaging", damaging)
+        for r in uploads.values():
+            rt.enqueue.ingest(r.version_id)
+    finally:
+        torch.set_num_threads(threads)
+    for name, r in uploads.items():
+        v = version(rt, r.version_id)
+        (run,) = runs(rt, r.version_id)
+        checks = {x["check"]: x["passed"] for x in run.reasons}
+        assert [x["code"] for x in v.eval_summary["reasons"]] == [x["code"] for x in run.reasons]
+        if name == "damaging":
+            assert v.status == AdapterStatus.REJECTED and run.metrics["check"] == "no_regression"
+            assert [x["code"] for x in v.status_reasons][0] == "regression_over_tolerance"
+            assert checks["no_regression"] is False and set(checks) == {"no_regression", "well_formed", "logits", "fp8_agreement"}
+            continue
+        assert v.status == AdapterStatus.READY, (name, v.status_reasons)
+        assert all(checks.values()) and len(checks) == 4
+        if name == "harmless":
+            assert run.metrics["eval_set"] == "default" and run.metrics["n_examples"] == 200 and "no_regression" in checks
+        else:
+            assert run.metrics["eval_set"] == f"demo:{name}" and "margin" in checks

@@ -35,6 +35,10 @@ def make_engine(
     max_model_len: int | None = None,
     lora_kernel: str = "auto",
     cpu_attention: str = "auto",
+    swap_space_bytes: int | None = None,
+    preemption_mode: str = "auto",
+    prompt_sharing: bool = True,
+    kv_dtype: str = "auto",
 ) -> LLMEngine:
     torch.set_num_threads(2)
     return LLMEngine(
@@ -42,13 +46,29 @@ def make_engine(
             model_dir=model_dir,
             dtype=dtype,
             weight_dtype=weight_dtype,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,
+                              swap_space_bytes=swap_space_bytes, preemption_mode=preemption_mode,
+                              enable_prompt_sharing=prompt_sharing, kv_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
             lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             cpu_kernel=lora_kernel),
             cpu_attention=cpu_attention,
         )
     )
+
+
+def record_swaps(engine: LLMEngine) -> list[tuple[str, int, int]]:
+    """Record every swap-out as (request id, computed tokens, prompt tokens): mid-prefill when
+    computed < prompt."""
+    swaps: list[tuple[str, int, int]] = []
+    swap_out = engine.kv.swap_out
+
+    def recording(seq):
+        swaps.append((seq.request_id, seq.num_computed_tokens, seq.num_prompt_tokens))
+        swap_out(seq)
+
+    engine.kv.swap_out = recording
+    return swaps
 
 
 def run_all(engine: LLMEngine, requests: list[dict]) -> dict[str, list[int]]:

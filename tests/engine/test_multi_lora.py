@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from services.common.lora_format import content_id
 from services.common.prompting import PromptBuilder
 from services.engine.sequence import AdapterRef, InvalidRequest, SamplingParams
-from tests.engine.conftest import make_engine, run_all
+from tests.engine.conftest import make_engine, record_swaps, run_all
 from tests.engine.oracle import TieLog, hf_greedy
 
 MAX_NEW = 24
@@ -130,11 +130,30 @@ def test_sixteen_plus_adapters_in_one_batch_match_peft(demo_kit, workload, refs_
 def test_more_adapters_than_slots_with_chunking_prefix_hits_and_preemption(demo_kit, workload, refs_of, peft_refs, kernel):
     need = max(len(p) + MAX_NEW for _, p in workload)
     engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
-                         num_blocks=need // 4 + 30, lora_kernel=kernel)
+                         num_blocks=need // 4 + 30, lora_kernel=kernel, preemption_mode="recompute")
     assert engine.adapters.cpu_kernel == kernel
     _check(f"lora-stress-{kernel}", engine, workload, refs_of, peft_refs)
     assert engine.scheduler.num_preemptions > 0
     assert engine.adapters.slot_loads > len({a for a, _ in workload if a})  # evicted and reloaded
+    assert engine.metrics.prefix_hit_tokens._value.get() > 0
+
+
+def test_swapped_out_adapter_sequences_come_back_identical(demo_kit, workload, refs_of, peft_refs):
+    """The stress run again with preempted sequences swapped to the host tier: a swapped-in sequence
+    gets its adapter slot back (maybe another one) and continues; prefix hits and chunking as above."""
+    need = max(len(p) + MAX_NEW for p in workload)
+    engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
+                         num_blocks=need // 4 + 30, preemption_mode="swap")
+    # Swapped sequences come back by restore, not by a prefix hit, and the workload's one repeated
+    # (prompt, adapter) pair forks: a warm-up under that adapter makes the prefix hits deliberate.
+    adapter, prompt = workload[0]
+    run_all(engine, [{"id": "warm", "prompt": prompt, "params": SamplingParams(max_tokens=2, temperature=0),
+                      "adapter": refs_of[adapter]}])
+    swaps = record_swaps(engine)
+    _check("lora-swap", engine, workload, refs_of, peft_refs)
+    by_id = {f"r{i}": a for i, (a, _) in enumerate(workload)}
+    assert any(by_id[rid] for rid, _, _ in swaps)  # adapter sequences among the swapped
+    assert engine.metrics.swap_in_blocks._value.get() > 0 and engine.kv.host.num_used == 0
     assert engine.metrics.prefix_hit_tokens._value.get() > 0
 
 

@@ -1,7 +1,8 @@
 """Engine greedy output == Hugging Face transformers `generate` (fp32) on the trained demo model.
 
 Checked with every request in one continuous batch, with a tiny chunked-prefill budget, with prefix
-cache hits from a shared system prompt, and under preemption from a deliberately tiny KV pool.
+cache hits from a shared system prompt, and under preemption from a deliberately tiny KV pool -- by
+recompute and by swapping to the host tier and back (mid-prefill and mid-decode, with prefix hits).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from services.common.prompting import PromptBuilder
 from services.engine.sequence import SamplingParams
-from tests.engine.conftest import make_engine, run_all
+from tests.engine.conftest import make_engine, record_swaps, run_all
 from tests.engine.oracle import TieLog, hf_greedy
 
 MAX_NEW = 40
@@ -97,6 +98,41 @@ def test_prefix_cache_hits_from_a_shared_system_prompt(demo_kit, hf_model):
 
 def test_preemption_from_a_tiny_kv_pool(demo_kit, prompts, references):
     need = max(len(p) + MAX_NEW for p in prompts)
-    engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 12, budget=64)
+    engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 12, budget=64,
+                         preemption_mode="recompute")
     _check("preempt", engine, prompts, references)
     assert engine.scheduler.num_preemptions > 0
+    assert engine.metrics.swap_out_blocks._value.get() == 0
+
+
+def test_swap_to_the_host_tier_and_back_from_a_tiny_kv_pool(demo_kit, prompts, references):
+    """Preempted sequences are copied out and back in, mid-prefill and mid-decode, and go on exactly
+    where they were; the host tier is empty at the end (run_all checks integrity after every step)."""
+    need = max(len(p) + MAX_NEW for p in prompts)
+    engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 12, budget=32,
+                         preemption_mode="swap")
+    swaps = record_swaps(engine)
+    _check("swap", engine, prompts, references)
+    m = engine.metrics
+    assert engine.scheduler.num_preemptions == len(swaps) > 0
+    assert any(c < p for _, c, p in swaps) and any(c > p for _, c, p in swaps)  # mid-prefill and mid-decode
+    assert m.swap_out_blocks._value.get() >= m.swap_in_blocks._value.get() > 0
+    assert engine.kv.host.num_used == 0
+
+
+def test_swap_with_prefix_hits_from_a_shared_system_prompt(demo_kit, hf_model):
+    """Swapped-out sequences share cached system-prompt blocks: those stay on the device (released,
+    found again on swap-in), only their own blocks move."""
+    builder = PromptBuilder(demo_kit.base_dir)
+    qs = ["What is the capital of France?", "Hello", "What is 2 plus 3?", "Repeat: red blue green",
+          "Name a color.", "Count to five.", "Say yes.", "What is 10 minus 4?"]
+    prompts = [builder.chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in qs]
+    refs = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    need = max(len(p) + MAX_NEW for p in prompts)
+    engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 4, budget=48, preemption_mode="swap")
+    _check("swap-prefix-warm", engine, prompts[:1], refs[:1], prefix="w")
+    swaps = record_swaps(engine)
+    _check("swap-prefix", engine, prompts, refs)
+    assert swaps and engine.metrics.prefix_hit_tokens._value.get() >= 7 * 8
+    assert engine.kv.num_swap_shared_blocks > 0  # shared cached blocks were left in place, not copied
+    assert engine.kv.host.num_used == 0

@@ -57,6 +57,7 @@ ENDPOINTS = [
     Endpoint("DELETE", "/api/tenant/keys/{id}", TENANT_ADMIN, target="key"),
     Endpoint("GET", "/api/tenant/adapters", TENANT),
     Endpoint("GET", "/api/tenant/adapter-versions/{id}", TENANT, target="version"),
+    Endpoint("GET", "/api/tenant/storage", TENANT),
     # tenant usage (billing, api/tenant_usage.py) and uploads (adapters)
     Endpoint("GET", "/api/tenant/usage", TENANT, required=False),
     Endpoint("GET", "/api/tenant/spend", TENANT, required=False),
@@ -70,6 +71,8 @@ ENDPOINTS = [
     Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
     Endpoint("PATCH", "/api/admin/tenants/{id}", PLATFORM, "tenant", False, {"status": "suspended"}),
     Endpoint("GET", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False),
+    Endpoint("GET", "/api/admin/tenants/{id}/storage", PLATFORM, "tenant", False),
+    Endpoint("PUT", "/api/admin/tenants/{id}/storage", PLATFORM, "tenant", False, {"quota_bytes": 1}),
     Endpoint("POST", "/api/admin/tenants/{id}/users", PLATFORM, "tenant", False,
              {"email": "bola@example.test", "password": "bola password 1", "role": "tenant_admin"}),
     Endpoint("GET", "/api/admin/adapter-versions/{id}", PLATFORM, "version", False),
@@ -143,7 +146,8 @@ def _state(db_engine, tw) -> dict:
         a = s.get(Adapter, tw.adapter.id)
         return {
             "tenant": (t.name, t.plan, str(t.status)),
-            "limits": (lim.tokens_per_min, lim.requests_per_min, lim.concurrent_requests, lim.monthly_token_budget),
+            "limits": (lim.tokens_per_min, lim.requests_per_min, lim.concurrent_requests, lim.monthly_token_budget,
+                       lim.storage_quota_bytes),
             "keys": sorted((str(k.id), k.revoked_at) for k in s.query(ApiKey).filter(ApiKey.tenant_id == t.id)),
             "adapter": (a.active_version_id, a.deleted_at),
             "versions": sorted((str(v.id), str(v.status), v.override_reason)

@@ -156,6 +156,7 @@ def test_adapters_list_versions_status_and_gate_results(browser, db):
     v2.progress_percent, v2.progress_step = 100, "done"
     db.add(EvalRun(adapter_version_id=v2.id, attempt=1, status="finished", decision=GateDecision.FAIL,
                    metrics={"margin": 0.01}, examples=[{"prompt": "hi", "adapter": "a", "base": "b"}],
+                   reasons=[{"code": "margin_below_threshold", "passed": False}, {"code": "fp8_agreement_ok", "passed": True}],
                    finished_at=v2.created_at))
     v3 = make_adapter_version(db, adapter=adapter, status=AdapterStatus.EVALUATING)
     v3.progress_percent, v3.progress_step = 40, "evaluating"
@@ -176,7 +177,10 @@ def test_adapters_list_versions_status_and_gate_results(browser, db):
     rejected = a["versions"][1]
     assert rejected["reasons"] == [{"code": "margin_below_threshold", "message": "no better than the base model"}]
     assert rejected["eval"] == {"passed": False, "metrics": {"margin": 0.01}, "thresholds": {"min_margin": 0.05},
-                                "examples": [{"prompt": "hi", "adapter": "a", "base": "b"}]}
+                                "examples": [{"prompt": "hi", "adapter": "a", "base": "b"}],
+                                # every check of the gate, the passed ones too (the version's reasons: only refusals)
+                                "reasons": [{"code": "margin_below_threshold", "passed": False},
+                                            {"code": "fp8_agreement_ok", "passed": True}]}
     assert rejected["rank"] == 16 and rejected["content_sha256"] == v2.content_sha256
     assert rejected["override"] is None and rejected["ready_at"] is None
     assert a["versions"][2]["progress"] == {"percent": 40, "step": "evaluating"} and a["versions"][2]["eval"] is None

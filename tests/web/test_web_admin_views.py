@@ -37,9 +37,24 @@ EXAMPLES = [
      "full_precision": f"summary {i}", "base_score": 0.25, "adapter_score": 1.0}
     for i in range(3)
 ]
-GATE = {"passed": True, "metrics": {"adapter": {"rouge_l": 1.0}, "base": {"rouge_l": 0.25}, "full_precision": {"rouge_l": 1.0},
-                                    "fp8_token_agreement": 1.0, "n_examples": 3},
-        "thresholds": {"metric": "rouge_l", "min_margin": 0.05, "min_fp8_agreement": 0.9}, "examples": EXAMPLES}
+# A gate run without a task eval set, as services/adapters/checks.py reports it: every check, passed ones too.
+GATE = {"passed": True,
+        "metrics": {"check": "no_regression", "adapter": {"rouge_l": 0.97}, "base": {"rouge_l": 0.98},
+                    "full_precision": {"rouge_l": 0.97}, "fp8_token_agreement": 1.0, "n_examples": 3,
+                    "regression": {"n": 3, "mean_drop": 0.01, "upper_bound": 0.02, "confidence": 0.95, "worse": 1,
+                                   "better": 0, "tied": 2},
+                    "malformed": {"count": 0, "rate": 0.0}, "degenerate_logits": {"tokens": 0, "checked": 30, "outputs": 0}},
+        "thresholds": {"metric": "rouge_l", "min_margin": 0.05, "min_fp8_agreement": 0.9, "max_regression": 0.05},
+        "reasons": [
+            {"check": "no_regression", "code": "no_regression_ok", "passed": True, "value": 0.02, "threshold": 0.05,
+             "message": "rouge_l on 3 base-capability items: within the tolerance"},
+            {"check": "well_formed", "code": "well_formed_ok", "passed": True, "value": 0.0, "threshold": 0.02,
+             "message": "0 of 3 outputs malformed"},
+            {"check": "logits", "code": "logits_ok", "passed": True, "value": 0.0, "threshold": 0.0,
+             "message": "finite, informative logits on all 30 generated tokens"},
+            {"check": "fp8_agreement", "code": "fp8_agreement_ok", "passed": True, "value": 1.0, "threshold": 0.9,
+             "message": "not applicable: engines serve the base in full precision"}],
+        "examples": EXAMPLES}
 
 
 def new_tenant(web_stack, label: str):
@@ -187,9 +202,16 @@ def test_version_page_picks_the_active_version_shows_examples_side_by_side_and_d
     expected_http_error(page, 409, "/rollback")
     shot(page, "version-page-refused-rollback")
 
-    # Eval examples side by side: prompt | expected | base | adapter.
+    # Every check the gate made, with its verdict and its own words; no margin row it never applied.
     page.goto(f"/admin/versions/{v1.id}")
     expect(tid(page, "version-active")).to_contain_text("use this version")
+    checks = [c.get_attribute("data-testid") for c in page.locator("[data-testid^='gate-check-']").all()]
+    assert checks == ["gate-check-no_regression", "gate-check-well_formed", "gate-check-logits", "gate-check-fp8_agreement"]
+    expect(tid(page, "gate-check-no_regression")).to_contain_text("within the tolerance")
+    expect(tid(page, "gate-check-no_regression")).to_contain_text("≤ +0.05")
+    expect(tid(page, "gate-facts")).to_contain_text("no regression")
+
+    # Eval examples side by side: prompt | expected | base | adapter.
     tid(page, "gate-examples-toggle").click()
     table = tid(page, "gate-examples")
     assert [h.strip() for h in table.locator("thead th").all_text_contents()] == ["Prompt", "Expected", "Base model", "Adapter"]

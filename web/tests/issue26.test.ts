@@ -4,6 +4,7 @@ import { describe, expect, it } from "vitest";
 import type { Adapter, AdapterVersion, VersionStatus } from "../src/api/types";
 import { doneMessage } from "../src/components/UploadForm";
 import { adapterRows, paginate, summarize } from "../src/lib/adapters";
+import { gateSummary } from "../src/lib/gate";
 import { periodFromSearch, searchWithPeriod } from "../src/lib/dates";
 import { isUuid } from "../src/lib/ids";
 import { formatLimitText, limitsToText, parseLimits } from "../src/lib/limits";
@@ -142,5 +143,34 @@ describe("ids and upload status", () => {
     expect(doneMessage("rejected")).toContain("rejected");
     expect(doneMessage("validating")).toContain("validated");
     for (const s of ["ready", "rejected"] as const) expect(doneMessage(s)).not.toContain("has started");
+  });
+});
+
+describe("the gate's checks", () => {
+  it("are the gate's own list when it reports one, every check with its verdict", () => {
+    const s = gateSummary({
+      passed: true,
+      metrics: { check: "no_regression", adapter: { rouge_l: 0.9 }, base: { rouge_l: 0.92 }, n_examples: 200,
+        regression: { n: 200, mean_drop: 0.02, upper_bound: 0.031, confidence: 0.95, worse: 9, better: 3, tied: 188 },
+        malformed: { count: 0, rate: 0 }, degenerate_logits: { tokens: 0, checked: 4000, outputs: 0 } },
+      thresholds: { metric: "rouge_l", max_regression: 0.05 },
+      reasons: [
+        { check: "no_regression", code: "no_regression_ok", passed: true, message: "within tolerance", value: 0.031, threshold: 0.05 },
+        { check: "well_formed", code: "well_formed_ok", passed: true, message: "0 of 200", value: 0, threshold: 0.02 },
+        { check: "logits", code: "logits_ok", passed: true, message: "finite", value: 0, threshold: 0 },
+        { check: "fp8_agreement", code: "fp8_agreement_ok", passed: true, message: "not applicable", value: 1, threshold: 0.9 },
+      ],
+      examples: [],
+    });
+    expect(s.checks.map((c) => [c.id, c.cmp, c.pass])).toEqual([
+      ["no_regression", "max", true], ["well_formed", "max", true], ["logits", "max", true], ["fp8_agreement", "min", true],
+    ]);
+    expect(s.checks[0].message).toBe("within tolerance");
+    // A margin row the gate never applied (no task eval set) is not made up from the scores.
+    expect(s.checks.some((c) => c.id === "margin")).toBe(false);
+    const facts = Object.fromEntries(s.facts.map((f) => [f.label, f.value]));
+    expect(facts["Quality check"]).toContain("no regression");
+    expect(facts["Paired drop vs the base"]).toContain("95% upper bound 0.031 over 200 items (9 worse, 3 better, 188 unchanged)");
+    expect(facts["Degenerate logits"]).toBe("0 of 4,000 tokens");
   });
 });

@@ -105,6 +105,7 @@ class AdapterVersion(Base):
         CheckConstraint("version >= 1", name="version_positive"),
         CheckConstraint("content_sha256 ~ '^[0-9a-f]{64}$'", name="content_sha256_hex"),
         CheckConstraint("size_bytes >= 0", name="size_nonneg"),
+        CheckConstraint("eval_set_bytes IS NULL OR eval_set_bytes >= 0", name="eval_set_bytes_nonneg"),
         CheckConstraint("rank IS NULL OR rank > 0", name="rank_positive"),
         CheckConstraint("progress_percent BETWEEN 0 AND 100", name="progress_range"),
         CheckConstraint("status <> 'ready' OR ready_at IS NOT NULL", name="ready_has_ready_at"),
@@ -114,6 +115,10 @@ class AdapterVersion(Base):
         ),
         Index("ix_adapter_versions_tenant_id_status", "tenant_id", "status"),
         Index("ix_adapter_versions_content_sha256", "content_sha256"),
+        # Storage garbage collection: is this object still referenced by a version that keeps its files?
+        Index("ix_adapter_versions_storage_uri_kept", "storage_uri", postgresql_where=text("objects_purged_at IS NULL")),
+        Index("ix_adapter_versions_eval_set_uri_kept", "eval_set_uri",
+              postgresql_where=text("eval_set_uri IS NOT NULL AND objects_purged_at IS NULL")),
     )
 
     id: Mapped[uuid.UUID] = uuid_pk()
@@ -137,6 +142,7 @@ class AdapterVersion(Base):
     progress_percent: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
     progress_step: Mapped[str | None]
     eval_set_uri: Mapped[str | None]  # the tenant's eval set, if uploaded with the adapter
+    eval_set_bytes: Mapped[int | None] = mapped_column(BigInteger)  # its size (counted in the storage quota)
     gate_config: Mapped[dict[str, Any] | None]  # thresholds given at upload (margin, FP8 agreement, ...)
     eval_summary: Mapped[dict[str, Any] | None]
 
@@ -148,6 +154,9 @@ class AdapterVersion(Base):
     created_at: Mapped[datetime] = created_at()
     updated_at: Mapped[datetime] = updated_at()
     ready_at: Mapped[datetime | None]
+    # Set when storage retention removed this version's files (rejected or deleted past the retention period;
+    # objects another kept version references stay). Never unset; such a version never becomes ready again.
+    objects_purged_at: Mapped[datetime | None]
 
     adapter: Mapped[Adapter] = relationship(
         primaryjoin="foreign(AdapterVersion.adapter_id) == Adapter.id", viewonly=True,

@@ -57,9 +57,16 @@ class LimitColumns:
 
 class TenantLimits(LimitColumns, Base):
     __tablename__ = "tenant_limits"
-    __table_args__ = limit_checks()
+    __table_args__ = (
+        *limit_checks(),
+        CheckConstraint("storage_quota_bytes IS NULL OR storage_quota_bytes >= 0", name="storage_quota_bytes_nonneg"),
+    )
 
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    # Bytes of adapter storage (files and eval sets) the tenant may keep. Unlike the windows above, NULL is
+    # not "unlimited" but the platform default (MPLEX_ADAPTERS_STORAGE_QUOTA_BYTES): a deployment's default
+    # then applies to every tenant that was never given its own.
+    storage_quota_bytes: Mapped[int | None] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = updated_at()
 
     tenant: Mapped[Tenant] = relationship(back_populates="limits")

@@ -1,5 +1,7 @@
-/* Paged decode attention on the CPU, fp32: one query token per sequence, keys and values read in place
-   from the paged KV cache through each sequence's block table.
+/* Paged decode attention on the CPU, fp32 compute: one query token per sequence, keys and values read in
+   place from the paged KV cache through each sequence's block table -- an fp32 cache, or an fp8 (e4m3)
+   cache with a scale per (block, kv head), dequantized in registers (kernels/kv_fp8.py has the scheme).
+   Also the fp8 cache's writer: new K/V rows truncated onto their blocks' scales, raised when needed.
 
    Built by attention_native.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
    through ctypes; the Python wrapper checks the operands' dtypes and layouts, and this file checks every
@@ -16,22 +18,32 @@
    a CPU decode step that is three passes over the KV bytes plus the padding. Here each (sequence,
    kv head) pair reads its keys and values once, exactly, with an online softmax over block-sized chunks
    (running max and sum per query head, the accumulator rescaled when the max grows), and the pairs are
-   shared out over the OpenMP threads. The query heads of one kv head (GQA) share each key and value load. */
+   shared out over the OpenMP threads. The query heads of one kv head (GQA) share each key and value load.
+
+   fp8: a key or value row is decoded once into a small stack buffer that the G query heads share; a
+   block's scales are applied to the scores (q . s k = s (q . k)) and to the softmax weights, never per
+   element. The fp32 and fp8 kernels are one always-inlined body specialized on a constant flag, so the
+   fp32 path compiles to what it was. */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16     /* query heads per kv head */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256    /* block_size: one chunk of scores per query head lives on the stack */
 
-enum { OK = 0, BAD_SHAPE = 1, BAD_ROW = 2, BAD_CONTEXT = 3, BAD_BLOCK = 4, TOO_LARGE = 5 };
+enum { OK = 0, BAD_SHAPE = 1, BAD_ROW = 2, BAD_CONTEXT = 3, BAD_BLOCK = 4, TOO_LARGE = 5, BAD_SLOT = 6,
+       BLOCK_TWICE = 7, NO_MEMORY = 8 };
 
-int mplex_attn_abi_version(void) { return 1; }
+int mplex_attn_abi_version(void) { return 2; }
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint8_t vb8 __attribute__((vector_size(8)));
 
 static inline vf8 load8(const float *p) { vf8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
@@ -79,16 +91,77 @@ static inline float exp_nonpos(float x)
     return v[0];
 }
 
-/* One (sequence, kv head): G query heads of width D against keys [lo, ctx). */
-static void attend(const float *restrict q, float *restrict out, const float *k_cache, const float *v_cache,
-                   const int64_t *table, int64_t lo, int64_t ctx, int64_t block_size, int64_t kv_heads,
-                   int64_t kvh, int G, int D, float scale)
+/* fp8 code -> the value it stands for at scale 1: the midpoint of its truncation interval (see
+   kv_fp8.decode_codes). Magnitude bits placed in an fp32 with exponent bias 120 and the half-ulp bit set
+   give 2^(e-7) (1 + (m + 1/2)/8) for e >= 1; for e = 0 that formula's v is 2^-7 + (m + 1/2) 2^-10, and
+   the subnormal value (m + 1/2) 2^-9 is 2v - 2^-6 (exact, and no fp32 subnormal is ever formed). */
+#if defined(__F16C__) && defined(__SSE4_1__)
+#include <immintrin.h>
+/* With F16C: the code's bits placed in an fp16 (kv_fp8.decode_codes' layout, half-ulp bit set) and widened
+   by the hardware conversion, exact for fp16 subnormals too. The result is the value / 256: callers fold
+   the 256 into their scales (FP8_DECODE_SCALE). */
+#define FP8_DECODE_SCALE 256.0f
+static inline void decode8_fp8(const uint8_t *p, float *out)
+{
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+    const __m128i h = _mm_or_si128(_mm_or_si128(mag, sign), _mm_set1_epi16(0x40));
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(h));
+}
+#else
+#define FP8_DECODE_SCALE 1.0f
+static inline void decode8_fp8(const uint8_t *p, float *out)
+{
+    vb8 b;
+    memcpy(&b, p, sizeof b);
+    vu8 c = __builtin_convertvector(b, vu8);
+    vu8 mag = ((c & 0x7Fu) << 20) + (120u << 23) + (1u << 19);
+    vf8 v;
+    memcpy(&v, &mag, sizeof v);
+    vi8 sub = (vi8)((c & 0x78u) == 0u);
+    v = select8(sub, v * splat8(2.0f) - splat8(0.015625f), v);
+    vu8 bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits |= (c & 0x80u) << 24;
+    memcpy(out, &bits, sizeof bits);
+}
+#endif
+
+/* The same for one code, at the scale decode8_fp8 returns (value / FP8_DECODE_SCALE; exact either way). */
+static inline float decode1_fp8(uint8_t c)
+{
+    uint32_t mag = ((uint32_t)(c & 0x7F) << 20) + (120u << 23) + (1u << 19);
+    float v;
+    memcpy(&v, &mag, sizeof v);
+    if ((c & 0x78) == 0)
+        v = 2.0f * v - 0.015625f;
+    return ((c & 0x80) ? -v : v) / FP8_DECODE_SCALE;
+}
+
+static inline void decode_row_fp8(const uint8_t *p, float *out, int D, int D8)
+{
+    int i = 0;
+    for (; i < D8; i += 8)
+        decode8_fp8(p + i, out + i);
+    for (; i < D; i++)
+        out[i] = decode1_fp8(p[i]);
+}
+
+/* One (sequence, kv head): G query heads of width D against keys [lo, ctx). FP8 is a compile-time
+   constant at each call site: the caches are float (FP8 = 0) or e4m3 bytes with per-(block, kv head)
+   scales k_scales / v_scales [num_blocks, kv_heads] (FP8 = 1). */
+static inline __attribute__((always_inline)) void
+attend_impl(const float *restrict q, float *restrict out, const void *k_cache, const void *v_cache,
+            const float *k_scales, const float *v_scales, const int64_t *table, int64_t lo, int64_t ctx,
+            int64_t block_size, int64_t kv_heads, int64_t kvh, int G, int D, float scale, const int FP8)
 {
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
     float s[MAX_GROUP][MAX_BLOCK];
+    float row_buf[MAX_HEAD_DIM]; /* fp8: the decoded key or value row */
     const int D8 = D & ~7;
-    const int64_t row = kv_heads * D; /* floats between consecutive token slots of a block */
+    const int64_t row = kv_heads * D; /* elements between consecutive token slots of a block */
     for (int g = 0; g < G; g++)
         m[g] = -INFINITY, l[g] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)(G * D));
@@ -97,14 +170,27 @@ static void attend(const float *restrict q, float *restrict out, const float *k_
         const int64_t blk = table[j0 / block_size];
         const int64_t off = j0 % block_size;
         const int n = (int)((ctx - j0 < block_size - off) ? ctx - j0 : block_size - off);
-        const float *kb = k_cache + (blk * block_size + off) * row + kvh * D;
-        const float *vb = v_cache + (blk * block_size + off) * row + kvh * D;
+        const int64_t first = (blk * block_size + off) * row + kvh * D;
+        const float *kb = FP8 ? NULL : (const float *)k_cache + first;
+        const float *vb = FP8 ? NULL : (const float *)v_cache + first;
+        const uint8_t *kb8 = FP8 ? (const uint8_t *)k_cache + first : NULL;
+        const uint8_t *vb8 = FP8 ? (const uint8_t *)v_cache + first : NULL;
+        const float k_scale = FP8 ? scale * (k_scales[blk * kv_heads + kvh] * FP8_DECODE_SCALE) : scale;
+        const float v_scale = FP8 ? v_scales[blk * kv_heads + kvh] * FP8_DECODE_SCALE : 1.0f;
 
         /* scores of this chunk */
         for (int t = 0; t < n; t++) {
-            const float *kt = kb + t * row;
-            if (t + 1 < n)
-                __builtin_prefetch(vb + t * row, 0, 3);
+            const float *kt;
+            if (FP8) {
+                if (t + 1 < n)
+                    __builtin_prefetch(vb8 + t * row, 0, 3);
+                decode_row_fp8(kb8 + t * row, row_buf, D, D8);
+                kt = row_buf;
+            } else {
+                kt = kb + t * row;
+                if (t + 1 < n)
+                    __builtin_prefetch(vb + t * row, 0, 3);
+            }
             for (int g = 0; g < G; g++) {
                 const float *qg = q + g * D;
                 vf8 a = {0};
@@ -114,7 +200,7 @@ static void attend(const float *restrict q, float *restrict out, const float *k_
                 float d = hsum8(a);
                 for (; i < D; i++)
                     d += qg[i] * kt[i];
-                s[g][t] = d * scale;
+                s[g][t] = d * k_scale;
             }
         }
         /* online softmax: new max, rescale what was accumulated, p = exp(s - max) */
@@ -142,12 +228,18 @@ static void attend(const float *restrict q, float *restrict out, const float *k_
                     ag[i] *= corr;
             }
         }
-        /* acc += p . V */
+        /* acc += p . V (fp8: p v_scale . decoded V) */
         for (int t = 0; t < n; t++) {
-            const float *vt = vb + t * row;
+            const float *vt;
+            if (FP8) {
+                decode_row_fp8(vb8 + t * row, row_buf, D, D8);
+                vt = row_buf;
+            } else {
+                vt = vb + t * row;
+            }
             for (int g = 0; g < G; g++) {
                 float *ag = acc + g * D;
-                const float p = s[g][t];
+                const float p = FP8 ? s[g][t] * v_scale : s[g][t];
                 const vf8 pv = splat8(p);
                 int i = 0;
                 for (; i < D8; i += 8)
@@ -165,16 +257,25 @@ static void attend(const float *restrict q, float *restrict out, const float *k_
     }
 }
 
-/* q [n_rows, num_heads, head_dim] with row stride ldq (floats); out likewise with ldo.
-   Caches [num_blocks, block_size, kv_heads, head_dim] contiguous.
-   rows [n_seqs], ctx_lens [n_seqs], tables [n_seqs, width] (block ids; only the first
-   ceil(ctx / block_size) of a row are read). window <= 0: no sliding window.
-   Returns 0, or an error code (nothing is written then). */
-int mplex_paged_decode_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t n_rows,
-                                 const float *k_cache, const float *v_cache, int64_t num_blocks,
-                                 int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t num_heads,
-                                 const int64_t *rows, const int64_t *ctx_lens, const int64_t *tables,
-                                 int64_t width, int64_t n_seqs, int64_t window, float scale, int64_t nthreads)
+static void attend(const float *restrict q, float *restrict out, const float *k_cache, const float *v_cache,
+                   const int64_t *table, int64_t lo, int64_t ctx, int64_t block_size, int64_t kv_heads,
+                   int64_t kvh, int G, int D, float scale)
+{
+    attend_impl(q, out, k_cache, v_cache, NULL, NULL, table, lo, ctx, block_size, kv_heads, kvh, G, D, scale, 0);
+}
+
+static void attend_fp8(const float *restrict q, float *restrict out, const uint8_t *k_cache, const uint8_t *v_cache,
+                       const float *k_scales, const float *v_scales, const int64_t *table, int64_t lo, int64_t ctx,
+                       int64_t block_size, int64_t kv_heads, int64_t kvh, int G, int D, float scale)
+{
+    attend_impl(q, out, k_cache, v_cache, k_scales, v_scales, table, lo, ctx, block_size, kv_heads, kvh, G, D,
+                scale, 1);
+}
+
+/* The operands' shapes and every index the kernels follow; OK or an error code. */
+static int check_decode(int64_t ldq, int64_t ldo, int64_t n_rows, int64_t num_blocks, int64_t block_size,
+                        int64_t kv_heads, int64_t head_dim, int64_t num_heads, const int64_t *rows,
+                        const int64_t *ctx_lens, const int64_t *tables, int64_t width, int64_t n_seqs, int64_t window)
 {
     if (kv_heads <= 0 || num_heads <= 0 || num_heads % kv_heads || head_dim <= 0 || block_size <= 0 ||
         ldq < num_heads * head_dim || ldo < num_heads * head_dim || width < 0 || n_seqs < 0)
@@ -192,6 +293,24 @@ int mplex_paged_decode_attention(const float *q, int64_t ldq, float *out, int64_
             if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks)
                 return BAD_BLOCK;
     }
+    return OK;
+}
+
+/* q [n_rows, num_heads, head_dim] with row stride ldq (floats); out likewise with ldo.
+   Caches [num_blocks, block_size, kv_heads, head_dim] contiguous.
+   rows [n_seqs], ctx_lens [n_seqs], tables [n_seqs, width] (block ids; only the first
+   ceil(ctx / block_size) of a row are read). window <= 0: no sliding window.
+   Returns 0, or an error code (nothing is written then). */
+int mplex_paged_decode_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t n_rows,
+                                 const float *k_cache, const float *v_cache, int64_t num_blocks,
+                                 int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t num_heads,
+                                 const int64_t *rows, const int64_t *ctx_lens, const int64_t *tables,
+                                 int64_t width, int64_t n_seqs, int64_t window, float scale, int64_t nthreads)
+{
+    int rc = check_decode(ldq, ldo, n_rows, num_blocks, block_size, kv_heads, head_dim, num_heads, rows, ctx_lens,
+                          tables, width, n_seqs, window);
+    if (rc)
+        return rc;
     const int G = (int)(num_heads / kv_heads), D = (int)head_dim;
     const int64_t n_items = n_seqs * kv_heads;
 
@@ -204,4 +323,164 @@ int mplex_paged_decode_attention(const float *q, int64_t ldq, float *out, int64_
                tables + b * width, lo, ctx, block_size, kv_heads, kvh, G, D, scale);
     }
     return OK;
+}
+
+/* The same over an fp8 cache: e4m3 bytes [num_blocks, block_size, kv_heads, head_dim] with scales
+   [num_blocks, kv_heads] fp32 (contiguous). */
+int mplex_paged_decode_attention_fp8(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t n_rows,
+                                     const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scales,
+                                     const float *v_scales, int64_t num_blocks, int64_t block_size,
+                                     int64_t kv_heads, int64_t head_dim, int64_t num_heads, const int64_t *rows,
+                                     const int64_t *ctx_lens, const int64_t *tables, int64_t width, int64_t n_seqs,
+                                     int64_t window, float scale, int64_t nthreads)
+{
+    int rc = check_decode(ldq, ldo, n_rows, num_blocks, block_size, kv_heads, head_dim, num_heads, rows, ctx_lens,
+                          tables, width, n_seqs, window);
+    if (rc)
+        return rc;
+    const int G = (int)(num_heads / kv_heads), D = (int)head_dim;
+    const int64_t n_items = n_seqs * kv_heads;
+
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (nthreads > 1 && n_items > 1)
+    for (int64_t it = 0; it < n_items; it++) {
+        const int64_t b = it / kv_heads, kvh = it % kv_heads;
+        const int64_t ctx = ctx_lens[b];
+        const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+        attend_fp8(q + rows[b] * ldq + kvh * G * D, out + rows[b] * ldo + kvh * G * D, k_cache, v_cache, k_scales,
+                   v_scales, tables + b * width, lo, ctx, block_size, kv_heads, kvh, G, D, scale);
+    }
+    return OK;
+}
+
+/* -- the fp8 writer (kv_fp8.write_fp8_kv is the definition; the bytes are the same) ---------------- */
+
+/* The power-of-two scale of a run with this amax: the smallest 2^k with amax < 448 2^k (kv_fp8.scale_exponent). */
+static inline float pow2_scale(float amax)
+{
+    int k;
+    if (!(amax <= FLT_MAX)) {
+        k = 127; /* NaN or Inf */
+    } else if (amax <= 0.0f) {
+        k = -126;
+    } else {
+        int e;
+        const float m = frexpf(amax, &e);
+        k = e - 9 + (m >= 0.875f);
+        k = k < -126 ? -126 : (k > 127 ? 127 : k);
+    }
+    return ldexpf(1.0f, k);
+}
+
+/* The e4m3 code of y (|y| < 448) truncated toward zero (kv_fp8.quantize_trunc). */
+static inline uint8_t trunc_code(float y)
+{
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, mag = bits & 0x7FFFFFFFu;
+    const int e32 = (int)(mag >> 23);
+    int code;
+    if (e32 >= 121) {
+        code = ((e32 - 120) << 3) | (int)((mag >> 20) & 7u);
+        code = code > 0x7E ? 0x7E : code;
+    } else {
+        const float a = fabsf(y) * 512.0f;
+        code = a >= 7.0f ? 7 : (int)a;
+    }
+    return (uint8_t)(sign | (uint32_t)code);
+}
+
+/* The lower end of a code's interval: its standard e4m3 value. */
+static inline float code_value(uint8_t c)
+{
+    const int e = (c >> 3) & 15, m = c & 7;
+    const float v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    return (c & 0x80) ? -v : v;
+}
+
+/* One run (tokens t0..t1-1 of the batch, all in block blk from offset off0 on) of one kv head of one cache. */
+static void write_run(uint8_t *cache, float *scales, const float *x, int64_t ldx, int64_t t0, int64_t t1,
+                      int64_t blk, int64_t off0, int64_t block_size, int64_t kv_heads, int64_t h, int D)
+{
+    float amax = 0.0f;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * ldx + h * D;
+        for (int i = 0; i < D; i++) {
+            const float a = fabsf(xt[i]);
+            amax = (a > amax || a != a) ? a : amax; /* a NaN sticks, as torch's amax */
+        }
+    }
+    const float old = off0 == 0 ? 0.0f : scales[blk * kv_heads + h];
+    const float fresh_scale = pow2_scale(amax);
+    const float s = fresh_scale > old ? fresh_scale : old;
+    const int64_t row = kv_heads * D;
+    uint8_t *base = cache + blk * block_size * row + h * D;
+    if (off0 > 0 && s > old) { /* the block's earlier tokens, truncated again onto the coarser grid */
+        const float ratio = old / s;
+        for (int64_t o = 0; o < off0; o++)
+            for (int i = 0; i < D; i++)
+                base[o * row + i] = trunc_code(code_value(base[o * row + i]) * ratio);
+    }
+    scales[blk * kv_heads + h] = s;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * ldx + h * D;
+        uint8_t *dst = base + (off0 + (t - t0)) * row;
+        for (int i = 0; i < D; i++)
+            dst[i] = trunc_code(xt[i] / s);
+    }
+}
+
+/* New rows k, v [n_tokens, kv_heads, head_dim] (row strides ldk, ldv floats; heads packed) into their
+   slots of fp8 caches [num_blocks, block_size, kv_heads, head_dim] with scales [num_blocks, kv_heads].
+   Tokens of one block must be consecutive rows with consecutive slots (one sequence's positions in order),
+   and a block may take one such run per call. Returns 0, or an error code (nothing is written then). */
+int mplex_fp8_kv_write(uint8_t *k_cache, float *k_scales, uint8_t *v_cache, float *v_scales, int64_t num_blocks,
+                       int64_t block_size, int64_t kv_heads, int64_t head_dim, const float *k, int64_t ldk,
+                       const float *v, int64_t ldv, const int64_t *slots, int64_t n_tokens, int64_t nthreads)
+{
+    if (kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || num_blocks <= 0 || n_tokens < 0 ||
+        ldk < kv_heads * head_dim || ldv < kv_heads * head_dim)
+        return BAD_SHAPE;
+    if (n_tokens == 0)
+        return OK;
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(n_tokens + 1));
+    uint8_t *seen = calloc((size_t)num_blocks, 1);
+    if (!starts || !seen) {
+        free(starts);
+        free(seen);
+        return NO_MEMORY;
+    }
+    int rc = OK;
+    int64_t n_runs = 0;
+    for (int64_t t = 0; t < n_tokens && rc == OK; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_blocks * block_size) {
+            rc = BAD_SLOT;
+        } else if (t > 0 && slot / block_size == slots[t - 1] / block_size) {
+            if (slot != slots[t - 1] + 1)
+                rc = BLOCK_TWICE; /* within a run slots follow each other */
+        } else if (seen[slot / block_size]++) {
+            rc = BLOCK_TWICE;
+        } else {
+            starts[n_runs++] = t;
+        }
+    }
+    starts[n_runs] = n_tokens;
+    if (rc == OK) {
+        const int D = (int)head_dim;
+        const int64_t n_items = 2 * n_runs * kv_heads;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_items > 8)
+        for (int64_t it = 0; it < n_items; it++) {
+            const int which = (int)(it % 2);
+            const int64_t h = (it / 2) % kv_heads, r = it / 2 / kv_heads;
+            const int64_t t0 = starts[r], t1 = starts[r + 1];
+            const int64_t blk = slots[t0] / block_size, off0 = slots[t0] % block_size;
+            if (which == 0)
+                write_run(k_cache, k_scales, k, ldk, t0, t1, blk, off0, block_size, kv_heads, h, D);
+            else
+                write_run(v_cache, v_scales, v, ldv, t0, t1, blk, off0, block_size, kv_heads, h, D);
+        }
+    }
+    free(starts);
+    free(seen);
+    return rc;
 }

@@ -4,17 +4,55 @@ The batch's query tokens are split into groups so that no sequence pays for anot
 rows (one query token each) and prefill rows (a chunk of query tokens each). A padded group runs as ONE
 scaled-dot-product-attention call whose keys are gathered from the cache through the sequences' block
 tables. On the CPU in fp32 the decode rows instead form one DecodeGroup, which the native kernel
-(kernels/attention_native.py) attends in place in the cache, without a padded copy. There is no
+(kernels/attention_native.py) attends in place in the cache, without a padded copy; on CUDA with an fp8
+cache the Triton paged decode kernel (kernels/decode_attention.py) does the same. There is no
 per-sequence Python loop in the forward.
+
+An fp8 cache (kernels/kv_fp8.py) is written through the scheme's writer (the native one on the CPU in
+fp32) and read dequantized: by the decode kernels in registers, by the SDPA path after its gather.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.attention_native import NativeAttention
+from services.engine.kernels.kv_fp8 import Fp8WritePlan, gather_dequant, write_fp8_kv
+
+
+@dataclass(slots=True)
+class LayerKV:
+    """One layer's paged cache: K and V [num_blocks, block_size, kv_heads, D] in the compute dtype, or
+    float8_e4m3fn with their scales [num_blocks, kv_heads] fp32 (one per block and kv head)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding per-block state, each indexed by block id in dim 0."""
+        return [self.k, self.v] if self.k_scale is None else [self.k, self.v, self.k_scale, self.v_scale]
+
+
+class DecodeKernel(Protocol):
+    """Paged decode attention read in place through block tables (kernels/attention_native.py,
+    kernels/decode_attention.py): out[rows[b]] = attention of q[rows[b]] over ctx_lens[b] cached tokens."""
+
+    def decode(self, q, out, k_cache, v_cache, rows, ctx_lens, tables, *, scale: float, window: int | None,
+               num_threads: int, k_scales=None, v_scales=None) -> None: ...
+
+
+class Fp8Writer(Protocol):
+    """A native writer of fp8 K/V rows with the bytes of kv_fp8.write_fp8_kv (kernels/attention_native.py)."""
+
+    def write_fp8(self, k_cache, k_scales, v_cache, v_scales, k, v, slot_mapping, *, num_threads: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -33,12 +71,12 @@ class AttnGroup:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decode rows attended by the native CPU kernel, straight from the cache (no padded copy)."""
+    """Decode rows attended by a paged decode kernel, straight from the cache (no padded copy)."""
 
     rows: torch.Tensor  # [B] each sequence's query row in the flattened batch
     context_lens: torch.Tensor  # [B] tokens in cache after this step (incl. the new one)
     block_tables: torch.Tensor  # [B, nblocks] contiguous cache block ids (padding = 0, never read)
-    kernel: NativeAttention
+    kernel: DecodeKernel
     sliding_window: int | None
     num_threads: int
 
@@ -51,6 +89,24 @@ class DecodeGroup:
 class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) for every new token
     groups: tuple[AttnGroup | DecodeGroup, ...]
+    fp8_write: Fp8WritePlan | None = None  # fp8 cache written by torch: the step's runs of rows per block
+    fp8_writer: Fp8Writer | None = None  # fp8 cache written natively (CPU, fp32)
+    num_threads: int = 1
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttnMetadata) -> None:
+    """The step's new K/V rows [T, KVH, D] into their slots."""
+    if not cache.is_fp8:
+        kv_heads, head_dim = cache.k.shape[2:]
+        cache.k.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        cache.v.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    elif meta.fp8_writer is not None:
+        meta.fp8_writer.write_fp8(cache.k, cache.k_scale, cache.v, cache.v_scale, k, v, meta.slot_mapping,
+                                  num_threads=meta.num_threads)
+    else:
+        assert meta.fp8_write is not None, "an fp8 cache needs the step's write plan"
+        write_fp8_kv(cache.k, cache.k_scale, k, meta.fp8_write)
+        write_fp8_kv(cache.v, cache.v_scale, v, meta.fp8_write)
 
 
 def build_group(
@@ -93,27 +149,32 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    """q: [T, H, D]; k, v: [T, KVH, D]; cache: [num_blocks, block_size, KVH, D] K and V. Returns [T, H, D]."""
+    num_blocks, block_size, kv_heads, head_dim = cache.k.shape
+    write_kv(k, v, cache, meta)
     out = torch.empty_like(q)
     for group in meta.groups:  # prefill rows, and decode rows (bucketed by context length on the torch path)
         if isinstance(group, DecodeGroup):
-            group.kernel.decode(q, out, k_cache, v_cache, group.rows, group.context_lens, group.block_tables,
-                                scale=scale, window=group.sliding_window, num_threads=group.num_threads)
+            group.kernel.decode(q, out, cache.k, cache.v, group.rows, group.context_lens, group.block_tables,
+                                scale=scale, window=group.sliding_window, num_threads=group.num_threads,
+                                k_scales=cache.k_scale, v_scales=cache.v_scale)
             continue
         b, qn = group.token_index.shape
         flat = group.token_index.reshape(-1)
         q_g = q.index_select(0, flat).view(b, qn, -1, head_dim).transpose(1, 2)
         nb = group.block_tables.shape[1]
-        k_g = k_cache.index_select(0, group.block_tables.reshape(-1)).view(b, nb * block_size, kv_heads, head_dim)
-        v_g = v_cache.index_select(0, group.block_tables.reshape(-1)).view(b, nb * block_size, kv_heads, head_dim)
+        if cache.is_fp8:
+            k_g = gather_dequant(cache.k, cache.k_scale, group.block_tables, q.dtype)
+            v_g = gather_dequant(cache.v, cache.v_scale, group.block_tables, q.dtype)
+        else:
+            k_g = cache.k.index_select(0, group.block_tables.reshape(-1))
+            v_g = cache.v.index_select(0, group.block_tables.reshape(-1))
+        k_g = k_g.view(b, nb * block_size, kv_heads, head_dim)
+        v_g = v_g.view(b, nb * block_size, kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q_g,
             k_g.transpose(1, 2),

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from services.engine.config import ModelConfig
 from services.engine.kernels.fp8 import Fp8Weight, fp8_embedding
-from services.engine.model.attention import AttnMetadata, paged_attention
+from services.engine.model.attention import AttnMetadata, LayerKV, paged_attention
 from services.engine.model.layers import Linear, LoraHook, rms_norm
 from services.engine.model.rope import RotaryEmbedding
 
@@ -75,7 +75,7 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttnMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         lora: LoraHook | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
@@ -92,8 +92,7 @@ class LlamaModel:
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             q, k = self.rope.apply(q, k, positions)
-            k_cache, v_cache = kv_caches[i]
-            a = paged_attention(q, k, v.contiguous(), k_cache, v_cache, attn, self.scale).view(-1, q_size)
+            a = paged_attention(q, k, v.contiguous(), kv_caches[i], attn, self.scale).view(-1, q_size)
             o = layer.o(a)
             if lora is not None:
                 lora.apply(i, "o", a, o)

@@ -242,7 +242,10 @@ def _archive_from(received: Received, staging: Path) -> Path:
     if not loose:
         raise InvalidRequestError("the upload needs `file` (a .tar.gz or .zip) or `files` (adapter_config.json and "
                                   "adapter_model.safetensors)", param="file", code="missing_upload")
-    return pack_files(loose, staging / "files.tar")
+    packed = pack_files(loose, staging / "files.tar")
+    for _, path in loose:  # the tar holds them now: the staging area peaks at twice the upload, not three times
+        path.unlink()
+    return packed
 
 
 def _tenant_exists(db, tenant_id: uuid.UUID) -> bool:

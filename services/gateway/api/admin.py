@@ -30,12 +30,14 @@ from services.gateway.api.views import (
     AdminAdapterOut,
     AdminTenantOut,
     ListOf,
+    StorageOut,
     TenantOut,
     TenantUserOut,
     UserOut,
     VersionOut,
     adapter_out,
     admin_tenant_out,
+    storage_out,
     tenant_out,
     tenant_user_out,
     user_out,
@@ -80,6 +82,11 @@ class TenantPatch(BaseModel):
     plan: Name | None = None
     status: Literal["active", "suspended"] | None = None
     limits: LimitsIn | None = None
+
+
+class StorageQuotaIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    quota_bytes: Annotated[int, Field(ge=0, le=crud.MAX_STORAGE_QUOTA_BYTES)] | None  # null: the platform default
 
 
 class UserCreate(BaseModel):
@@ -143,6 +150,22 @@ def update_tenant(tenant_id: uuid.UUID, body: TenantPatch, user: PlatformAdmin, 
     db.commit()
     drop_cached_keys(gw, hashes)
     return tenant_out(tenant)
+
+
+@router.get("/tenants/{tenant_id}/storage", response_model=StorageOut, responses=_ERRORS_404)
+def get_tenant_storage(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
+    """A tenant's adapter storage: bytes used, its quota and what is left."""
+    return storage_out(db, crud.get_tenant(db, tenant_id=tenant_id).id)
+
+
+@router.put("/tenants/{tenant_id}/storage", response_model=StorageOut, responses=_ERRORS_404)
+def set_tenant_storage_quota(tenant_id: uuid.UUID, body: StorageQuotaIn, user: PlatformAdmin, request: Request,
+                             db: SessionDep):
+    """Give the tenant its own storage quota in bytes (null: back to the platform default). Lowering it under
+    the current use removes nothing; only new uploads are refused."""
+    crud.set_storage_quota(db, tenant_id=tenant_id, quota_bytes=body.quota_bytes, actor=actor_of(request, user))
+    db.commit()
+    return storage_out(db, tenant_id)
 
 
 @router.post("/tenants/{tenant_id}/users", status_code=201, response_model=UserOut, responses={**_ERRORS_404, 409: {}})

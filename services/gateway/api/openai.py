@@ -30,7 +30,7 @@ from services.common.logging import bind
 from services.common.streaming import ClosingStreamingResponse
 from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Usage
 from services.common.openai_serving import OpenAIPlan, collect, merge, plan_request_async, stream_sse
-from services.common.wire import EngineUnavailable, InvalidRequest
+from services.common.wire import CLAMPED_HEADER, EngineUnavailable, InvalidRequest
 from services.gateway.metering import UsageRecord
 from services.gateway.quotas import QuotaExceeded, QuotaUnavailable, Reservation
 from services.gateway.resolve import ResolvedModel
@@ -203,6 +203,9 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
                 "sampling": _sampling_dict(job.params),
                 "priority": req.priority_class.name.lower(),
                 "cache_salt": principal.cache_salt,
+                # Fair sharing on the engines: who it is for and its plan's weight (never client-set).
+                "tenant": str(principal.tenant_id),
+                "weight": gw.settings.plan_weight(principal.plan),
                 "client_request_id": client_id,
                 "adapter": ({"content_id": adapter.content_sha256, "name": f"{adapter.name}@{adapter.version}",
                              "uri": adapter.storage_uri} if adapter else None),
@@ -210,6 +213,9 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
             streams.append(_choice(gw, order, payload, job.index, result, counts_prompt))
         items = merge(streams)
         first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
+        clamped = next((r.clamped_max_tokens for r in call.results if r.clamped_max_tokens), None)
+        if clamped:  # the engine clamped this batch-class request's max_tokens under overload
+            headers[CLAMPED_HEADER] = clamped
     except BaseException as exc:
         status, http_status, code = _failure(exc)
         await call.finalize(status, http_status, code)
@@ -302,9 +308,15 @@ def _as_api_error(exc: BaseException, gw) -> BaseException:
             return InternalServerError(message, code=code or "request_failed")
         return ApiError.from_invalid_request(InvalidRequest(message, err.get("param"), code, exc.status))
     if isinstance(exc, NoEngineAvailable):
+        retry = {"retry-after": str(exc.retry_after or 1)}
+        if exc.code == "engine_overloaded":  # refused up front by every engine: it would have missed its SLO
+            gw.metrics.upstream_errors.labels(kind="overloaded").inc()
+            return ServiceUnavailableError(
+                f"The engines serving this model are overloaded; retry after {retry['retry-after']}s. ({exc.message})",
+                code="engine_overloaded", headers=retry)
         gw.metrics.upstream_errors.labels(kind="connect").inc()
         return ServiceUnavailableError(f"No engine could serve the request right now: {exc}", code="no_engine_available",
-                                       headers={"retry-after": "1"})
+                                       headers=retry)
     if isinstance(exc, EngineLost):
         gw.metrics.upstream_errors.labels(kind="stream").inc()
         return BadGatewayError(exc.message, code=exc.code)

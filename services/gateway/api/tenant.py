@@ -20,10 +20,12 @@ from services.gateway.api.views import (
     CreatedKeyOut,
     KeyOut,
     ListOf,
+    StorageOut,
     TenantOut,
     VersionOut,
     adapter_out,
     key_out,
+    storage_out,
     tenant_out,
     version_out,
 )
@@ -44,6 +46,12 @@ class KeyCreate(BaseModel):
 def get_tenant(user: TenantUser, db: SessionDep):
     """The caller's tenant: plan, status and quota limits (null = unlimited)."""
     return tenant_out(crud.get_tenant(db, tenant_id=user.tenant_id))
+
+
+@router.get("/storage", response_model=StorageOut, responses=_ERRORS)
+def get_storage(user: TenantUser, db: SessionDep):
+    """The tenant's adapter storage: bytes used, its quota and what is left (uploads past it are refused, 413)."""
+    return storage_out(db, user.tenant_id)
 
 
 @router.get("/keys", response_model=ListOf[KeyOut], responses=_ERRORS)

@@ -98,7 +98,20 @@ class EvalOut(BaseModel):
     passed: bool | None
     metrics: dict[str, Any]
     thresholds: dict[str, Any]
+    # Every check of the gate, passed or not: {check, code, passed, message, value, threshold}
+    # (the version's own `reasons` hold only what refused it).
+    reasons: list[Any] = []
     examples: list[Any]
+
+
+class StorageOut(BaseModel):
+    """A tenant's adapter storage: bytes of the objects its versions keep (each distinct object once), its
+    quota (its own, or the platform default) and what is left."""
+
+    used_bytes: int
+    quota_bytes: int
+    remaining_bytes: int
+    quota_is_default: bool
 
 
 class OverrideOut(BaseModel):
@@ -219,6 +232,7 @@ def _eval_out(v: AdapterVersion) -> EvalOut | None:
         passed=passed,
         metrics=summary.get("metrics", run.metrics if run is not None else {}),
         thresholds=summary.get("thresholds", v.gate_config or {}),
+        reasons=summary.get("reasons", run.reasons if run is not None else []),
         examples=summary.get("examples", run.examples if run is not None else []),
     )
 
@@ -237,6 +251,19 @@ def version_out(v: AdapterVersion, *, override_by: str | None = None) -> Version
         content_sha256=v.content_sha256, eval=_eval_out(v), override=override, created_at=v.created_at,
         ready_at=v.ready_at,
     )
+
+
+def storage_out(db, tenant_id: uuid.UUID) -> StorageOut:
+    from services.adapters.config import PipelineConfig
+    from services.adapters.quota import quota_bytes, used_bytes
+    from services.common.models import TenantLimits
+
+    default = PipelineConfig.from_env().storage_quota_bytes
+    quota = quota_bytes(db, tenant_id, default=default)
+    own = db.get(TenantLimits, tenant_id)
+    used = used_bytes(db, tenant_id)
+    return StorageOut(used_bytes=used, quota_bytes=quota, remaining_bytes=max(0, quota - used),
+                      quota_is_default=own is None or own.storage_quota_bytes is None)
 
 
 def adapter_out(item: AdapterWithVersions, *, override_names: dict[uuid.UUID, str] | None = None) -> AdapterOut:

@@ -3,6 +3,7 @@ over the paged cache; its refusals; its compiler fallback; engine equivalence wi
 the runner's prefill buckets."""
 import logging
 import math
+import platform
 import random
 
 import pytest
@@ -434,3 +435,117 @@ def test_buckets_partition_the_rows(rows, block_size, max_buckets):
     # The torch path's buckets: the prefill buckets plus the decode rows, each row exactly once.
     every = sorted(i for b in _attention_buckets(lens, ctx, block_size, max_buckets) for i in b.tolist())
     assert every == list(range(len(rows)))
+
+
+# -- fp8 caches (kernels/kv_fp8.py): e4m3 bytes with a scale per (block, kv head), decoded in registers --------
+
+
+def fp8_cache(gen, shape, exp_range=(-12, -3)):
+    """Random bytes (every code, stale ones included, decodes to a finite value) and power-of-two scales."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    scales = torch.ldexp(torch.ones(shape[0], shape[2]), torch.randint(*exp_range, (shape[0], shape[2]), generator=gen))
+    return codes, scales
+
+
+def fp8_reference(q, k_cache, v_cache, k_scales, v_scales, rows, ctx_lens, tables, *, scale, window):
+    from services.engine.kernels.decode_attention_ref import paged_decode_attention_ref
+
+    return paged_decode_attention_ref(q, k_cache, v_cache, rows, ctx_lens, tables, scale=scale, window=window,
+                                      k_scales=k_scales, v_scales=v_scales)
+
+
+@settings(max_examples=60, deadline=None)
+@given(c=decode_cases())
+def test_fp8_decode_matches_the_float64_reference(kernel, c):
+    q, out, out_full, k32, _, rows, ctx_lens, tables = build_case(c)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    k_cache, k_scales = fp8_cache(gen, k32.shape)
+    v_cache, v_scales = fp8_cache(gen, k32.shape)
+    scale = c["scale"] or 1 / math.sqrt(c["head_dim"])
+    before = out_full.clone()
+    kernel.decode(q, out, k_cache, v_cache, rows, ctx_lens, tables, scale=scale, window=c["window"],
+                  num_threads=c["num_threads"], k_scales=k_scales, v_scales=v_scales)
+    want = fp8_reference(q, k_cache, v_cache, k_scales, v_scales, rows, ctx_lens, tables, scale=scale, window=c["window"])
+    for r, w in want.items():
+        torch.testing.assert_close(out[r].double(), w, atol=1e-5, rtol=1e-5, msg=lambda m: f"row {r}: {m}")
+    written = torch.zeros_like(out_full, dtype=torch.bool)
+    written.as_strided(out.shape, out.stride(), out.storage_offset())[list(want)] = True
+    assert torch.equal(out_full[~written], before[~written]), "the kernel wrote outside the rows it was given"
+
+
+def test_fp8_decode_reads_what_the_writer_wrote(kernel):
+    """End to end on the scheme: K/V written token by token through the native writer, then attended; the
+    result is attention over the dequantized cache, and within fp8's error of attention over the fp32 rows."""
+    from services.engine.kernels.kv_fp8 import dequantize
+
+    gen = torch.Generator().manual_seed(11)
+    block_size, kvh, group, d, ctx = 8, 2, 4, 24, 45
+    k_cache = torch.zeros(8, block_size, kvh, d, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    k_scales, v_scales = torch.zeros(8, kvh), torch.zeros(8, kvh)
+    keys, values = torch.randn(ctx, kvh, d, generator=gen), torch.randn(ctx, kvh, d, generator=gen)
+    table = torch.tensor([[5, 2, 7, 0, 3, 1]])
+    slots = table[0, torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
+    for t in range(ctx):
+        kernel.write_fp8(k_cache, k_scales, v_cache, v_scales, keys[t : t + 1], values[t : t + 1], slots[t : t + 1],
+                         num_threads=1)
+    q = torch.randn(1, kvh * group, d, generator=gen)
+    out = torch.zeros_like(q)
+    args = (torch.tensor([0]), torch.tensor([ctx]), table)
+    kernel.decode(q, out, k_cache, v_cache, *args, scale=0.2, window=None, num_threads=2, k_scales=k_scales,
+                  v_scales=v_scales)
+    want = fp8_reference(q, k_cache, v_cache, k_scales, v_scales, *args, scale=0.2, window=None)[0]
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)
+    dense_k, dense_v = dequantize(k_cache, k_scales), dequantize(v_cache, v_scales)
+    assert ((dense_k.view(-1, kvh, d)[slots] - keys).abs() <= keys.abs().amax() * 2**-8 + keys.abs() * 2**-4).all()
+    # Against attention over the fp32 rows themselves (one block of ctx tokens): fp8's few % per element,
+    # averaged by attention.
+    exact = reference(q, keys[None], values[None], torch.tensor([0]), torch.tensor([ctx]), torch.tensor([[0]]),
+                      scale=0.2, window=None)[0]
+    assert (out[0].double() - exact).abs().max() < 0.06  # measured 0.03 here
+
+
+def test_fp8_decode_refuses_missing_or_misshapen_scales(kernel):
+    gen = torch.Generator().manual_seed(12)
+    k_cache, k_scales = fp8_cache(gen, (6, 4, 2, 8))
+    v_cache, v_scales = fp8_cache(gen, (6, 4, 2, 8))
+    q = torch.randn(2, 4, 8)
+    ok = dict(k_cache=k_cache, v_cache=v_cache, k_scales=k_scales, v_scales=v_scales)
+    args = (torch.tensor([0, 1]), torch.tensor([3, 9]), torch.tensor([[0, 1, 2], [3, 4, 5]]))
+
+    def refused(match, **kw):
+        a = {**ok, **kw}
+        with pytest.raises(ValueError, match=match):
+            kernel.decode(q, torch.zeros_like(q), a["k_cache"], a["v_cache"], *args, scale=0.3, window=None,
+                          num_threads=1, k_scales=a["k_scales"], v_scales=a["v_scales"])
+
+    refused("k_scales must be", k_scales=None)
+    refused("v_scales must be", v_scales=v_scales[:5])
+    refused("k_scales must be", k_scales=k_scales.double())
+    refused("k_scales must be", k_scales=k_scales.t().contiguous().t())
+    refused("differ in dtype", v_cache=torch.randn(6, 4, 2, 8))
+    refused("scales are for an fp8 cache", k_cache=torch.randn(6, 4, 2, 8), v_cache=torch.randn(6, 4, 2, 8))
+    # Scales for 6 blocks beside a cache of 4: one scale per block of the cache, or nothing is read.
+    refused("k_scales must be", k_cache=k_cache[:4].contiguous(), v_cache=v_cache[:4].contiguous())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="F16C is an x86 extension")
+def test_fp8_decode_without_f16c_uses_the_portable_decoder():
+    """Where the compiler targets no F16C, fp8 bytes are decoded by integer bit moves instead of the fp16
+    conversion instruction: the same values, so the same results."""
+    from services.engine.kernels.native_build import FLAGS, library
+
+    portable = NativeAttention(library(attention_native.SOURCE, "attention-no-f16c", FLAGS + ("-mno-f16c",)))
+    gen = torch.Generator().manual_seed(21)
+    block_size, kvh, group, d = 8, 2, 3, 13  # 13: eight-lane and scalar decoding
+    k_cache, k_scales = fp8_cache(gen, (10, block_size, kvh, d))
+    v_cache, v_scales = fp8_cache(gen, (10, block_size, kvh, d))
+    q = torch.randn(3, kvh * group, d, generator=gen)
+    args = (torch.tensor([2, 0, 1]), torch.tensor([1, 17, 40]), torch.randint(0, 10, (3, 5), generator=gen))
+    want = fp8_reference(q, k_cache, v_cache, k_scales, v_scales, *args, scale=0.3, window=None)
+    for kernel in (portable, attention_native.load()):
+        out = torch.zeros_like(q)
+        kernel.decode(q, out, k_cache, v_cache, *args, scale=0.3, window=None, num_threads=1, k_scales=k_scales,
+                      v_scales=v_scales)
+        for r, w in want.items():
+            torch.testing.assert_close(out[r].double(), w, atol=1e-5, rtol=1e-5)

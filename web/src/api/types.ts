@@ -118,10 +118,22 @@ export interface Reason {
   message: string;
 }
 
+/** One check of the quality gate as it reported it (services/adapters/checks.py), passed or not. */
+export interface GateReason {
+  check: string;
+  code: string;
+  passed: boolean;
+  message: string;
+  value: number | null;
+  threshold: number | null;
+}
+
 export interface GateEval {
   passed: boolean;
   metrics: Record<string, unknown>;
   thresholds: Record<string, unknown>;
+  /** Every check of the gate (gates that predate it report none: the page then derives the two old checks). */
+  reasons?: GateReason[];
   examples: unknown[];
 }
 

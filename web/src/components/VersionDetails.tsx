@@ -3,7 +3,7 @@ import { useState } from "preact/hooks";
 import type { AdapterVersion, VersionStatus } from "../api/types";
 import { useApp } from "../context";
 import { formatDateTime, formatMetric, formatPercent, shortHash } from "../lib/format";
-import { gateSummary, type GateRow } from "../lib/gate";
+import { gateSummary, type GateCheck, type GateRow } from "../lib/gate";
 import { useAction } from "../lib/useAction";
 import { Badge, isInFlight } from "./Badge";
 import { FormError, TableScroll } from "./Status";
@@ -163,9 +163,12 @@ function GateResults({ version }: { version: AdapterVersion }) {
             <tbody>
               {summary.checks.map((c) => (
                 <tr key={c.id} data-testid={`gate-check-${c.id}`}>
-                  <th scope="row">{c.label}</th>
-                  <td class="num">{c.id === "margin" ? signed(c.value) : formatPercent(c.value)}</td>
-                  <td class="num">{c.threshold === null ? "—" : `≥ ${c.id === "margin" ? signed(c.threshold) : formatPercent(c.threshold)}`}</td>
+                  <th scope="row" class="wrap">
+                    {c.label}
+                    {c.message && <div class="muted small check-message">{c.message}</div>}
+                  </th>
+                  <td class="num">{checkValue(c, c.value)}</td>
+                  <td class="num">{c.threshold === null ? "—" : `${c.cmp === "max" ? "≤" : "≥"} ${checkValue(c, c.threshold)}`}</td>
                   <td>{c.pass === null ? "—" : <Badge text={c.pass ? "passed" : "failed"} />}</td>
                 </tr>
               ))}
@@ -290,6 +293,11 @@ function Examples({ examples }: { examples: unknown[] }) {
       )}
     </details>
   );
+}
+
+function checkValue(c: GateCheck, v: number | null): string {
+  if (v === null) return "—";
+  return c.format === "signed" ? signed(v) : c.format === "percent" ? formatPercent(v) : formatMetric(v);
 }
 
 function signed(v: number | null): string {

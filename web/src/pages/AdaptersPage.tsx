@@ -185,17 +185,21 @@ export function AdaptersPage({ tenantId }: { tenantId?: string }) {
   );
 }
 
-/** One line for the versions table: the gate's two checks, or its first figures when they are of another shape. */
+/** One line for the tables: the quality check's figure and any check that failed, or the first figures of a
+ * gate result of another shape. */
 function gateLine(v: AdapterVersion): string {
   if (!v.eval) return "—";
   const g = summarize(v.eval);
   if (g.flat) return g.flat.slice(0, 3).map((r) => `${r.name.replace(/_/g, " ")} ${formatMetric(r.value)}`).join(" · ");
-  const margin = g.checks.find((c) => c.id === "margin");
-  const fp8 = g.checks.find((c) => c.id === "fp8");
-  const gated = g.scores.find((r) => r.gated);
   const parts = [];
-  if (gated && margin?.value != null) parts.push(`${gated.name.replace(/_/g, "-")} ${formatMetric(gated.adapter)} (base ${formatMetric(gated.base)})`);
-  if (fp8?.value != null) parts.push(`FP8 agreement ${formatPercent(fp8.value)}`);
+  const quality = g.checks[0];
+  const gated = g.scores.find((r) => r.gated);
+  if (gated && quality?.id === "margin") parts.push(`${gated.name.replace(/_/g, "-")} ${formatMetric(gated.adapter)} (base ${formatMetric(gated.base)})`);
+  else if (quality?.id === "no_regression" && quality.value !== null) parts.push(`no regression (drop ≤ ${formatMetric(quality.value)})`);
+  const failed = g.checks.filter((c) => c.pass === false && c !== quality).map((c) => `${c.id.replace(/_/g, " ")} failed`);
+  parts.push(...failed);
+  const fp8 = g.checks.find((c) => c.id === "fp8" || c.id === "fp8_agreement");
+  if (!failed.length && fp8?.value != null) parts.push(`FP8 agreement ${formatPercent(fp8.value)}`);
   return parts.join(" · ") || "—";
 }
 

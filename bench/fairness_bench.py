@@ -1,0 +1,308 @@
+"""Fair sharing under overload (issue 22): the noisy neighbour and the overload ramp, through the gateway.
+
+A gateway and two engines on the demo model (as `make up` runs them: 256 seats and 256 MB of KV each).
+
+Noisy neighbour: tenant A sends 300 long streamed completions at once (a 200-token prompt, 256 new tokens);
+0.5 s later tenant B starts sending short streamed requests at 2 per second until A is done. B's time to
+first token and goodput (TTFT <= 1 s) are compared between the engines' `--scheduling-policy fcfs` (the
+old order) and `fair`, in the same run, and A's throughput with B beside it against A alone.
+
+Overload ramp: one tenant's Poisson arrivals at 0.5x to 3x the rate the fleet completes in a closed loop;
+goodput (requests whose first token came within 2 s, the interactive budget) per level, and how fast and
+how the refused ones (503 engine_overloaded) were refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.common import Target, pct, table, write_results
+from bench.gateway_bench import _free_port, _seed_key, _wait, stop_procs
+
+ROOT = Path(__file__).resolve().parents[1]
+REDIS_DB = 10
+A_REQUESTS = int(os.environ.get("MPLEX_BENCH_FAIR_A_REQUESTS", "300"))
+A_PROMPT_WORDS = 55  # ~190 tokens (demo tokenizer: ~3.4 a word here)
+A_MAX_TOKENS = 256
+B_RATE = 2.0
+B_MAX_TOKENS = 16
+TTFT_SLO_S = 1.0
+RAMP = (0.5, 1.0, 1.5, 2.0, 3.0)
+RAMP_LEVEL_S = float(os.environ.get("MPLEX_BENCH_FAIR_RAMP_S", "15"))
+RAMP_MAX_TOKENS = 128
+RAMP_SLO_S = 2.0
+# The ramp's engines have few seats, so that three times their capacity is a rate this machine's client can
+# offer (with 256 seats each, the load generator saturates its own cores before the engines fill).
+RAMP_SEATS = 16
+ENGINE_ARGS = os.environ.get("MPLEX_BENCH_FAIR_ENGINE_ARGS", "").split()
+PARTS = os.environ.get("MPLEX_BENCH_FAIR_PARTS", "noisy,ramp").split(",")
+
+
+@dataclass
+class Result:
+    ok: bool
+    status: int
+    ttft: float | None  # seconds to the first content chunk
+    total: float
+    tokens: int
+    code: str | None = None
+    retry_after: str | None = None
+
+
+async def stream(c: httpx.AsyncClient, key: str, body: dict) -> Result:
+    t0 = time.perf_counter()
+    try:
+        return await _stream(c, key, body, t0)
+    except httpx.TransportError as exc:  # counted as a failure of this request, not of the benchmark
+        return Result(False, 0, None, time.perf_counter() - t0, 0, f"transport:{type(exc).__name__}")
+
+
+async def _stream(c: httpx.AsyncClient, key: str, body: dict, t0: float) -> Result:
+    ttft = None
+    tokens = 0
+    # Tokens are counted from the usage chunk, not per chunk: 300 streams are parsed by this same 2-core machine.
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                        headers={"authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            raw = await r.aread()
+            try:
+                code = json.loads(raw)["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                code = None
+            return Result(False, r.status_code, None, time.perf_counter() - t0, 0, code, r.headers.get("retry-after"))
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if ttft is None and '"text":""' not in line:  # the first chunk carrying text
+                ttft = time.perf_counter() - t0
+            if '"error"' in line[:20] or '"usage"' in line:
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Result(False, 200, ttft, time.perf_counter() - t0, tokens, chunk["error"].get("code"))
+                tokens = chunk["usage"]["completion_tokens"]
+    return Result(True, 200, ttft, time.perf_counter() - t0, tokens)
+
+
+def _a_body(model: str, i: int) -> dict:
+    words = " ".join(f"w{(i * 31 + j) % 997}" for j in range(A_PROMPT_WORDS))
+    return {"model": model, "prompt": f"Summarise: {words}", "max_tokens": A_MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0}
+
+
+def _b_body(model: str, i: int) -> dict:
+    return {"model": model, "prompt": f"Hello number {i}", "max_tokens": B_MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0}
+
+
+async def noisy_neighbour(base: str, model: str, key_a: str, key_b: str, with_b: bool) -> dict:
+    limits = httpx.Limits(max_connections=A_REQUESTS + 64, max_keepalive_connections=A_REQUESTS + 64)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
+        t0 = time.perf_counter()
+        a_tasks = [asyncio.create_task(stream(c, key_a, _a_body(model, i))) for i in range(A_REQUESTS)]
+        b_results: list[Result] = []
+        if with_b:
+            await asyncio.sleep(0.5)
+            b_tasks = []
+            b_sent: list[float] = []
+            i = 0
+            while not all(t.done() for t in a_tasks):
+                b_sent.append(time.perf_counter() - t0)
+                b_tasks.append(asyncio.create_task(stream(c, key_b, _b_body(model, i))))
+                i += 1
+                await asyncio.sleep(1 / B_RATE)
+            b_results = list(await asyncio.gather(*b_tasks))
+        a_results = list(await asyncio.gather(*a_tasks))
+        wall = max(r.total for r in a_results)
+    a_tokens = sum(r.tokens for r in a_results)
+    out = {"a_ok": sum(r.ok for r in a_results), "a_tokens": a_tokens, "a_wall_s": wall, "a_tok_s": a_tokens / wall,
+           "a_ttft_p50_s": pct([r.ttft for r in a_results if r.ttft is not None], 50),
+           "a_refused": sum(not r.ok for r in a_results)}
+    if with_b:
+        ttfts = [r.ttft if r.ok and r.ttft is not None else float("inf") for r in b_results]
+        good = sum(1 for t in ttfts if t <= TTFT_SLO_S)
+        out |= {"b_requests": len(b_results), "b_ok": sum(r.ok for r in b_results),
+                "b_ttft_p50_s": pct(ttfts, 50), "b_ttft_p90_s": pct(ttfts, 90), "b_ttft_p99_s": pct(ttfts, 99),
+                "b_ttft_max_s": max(ttfts), "b_in_slo": good / len(b_results) if b_results else float("nan"),
+                "b_codes": sorted({r.code for r in b_results if not r.ok and r.code}),
+                # (seconds after A's burst the request was sent, its TTFT): where in A's run B's slow ones fall
+                "b_slowest": sorted(((round(at, 2), round(t, 3)) for at, t in zip(b_sent, ttfts)), key=lambda x: -x[1])[:5]}
+    return out
+
+
+async def closed_loop_rate(base: str, model: str, key: str, warmup_s: float = 6.0, seconds: float = 10.0,
+                           clients: int = 4 * RAMP_SEATS) -> float:
+    """Requests completed per second by `clients` looping clients (enough to fill every seat), counted after
+    a warm-up: the fleet's capacity for the ramp's requests."""
+    done: list[float] = []
+    t0 = time.perf_counter()
+    stop = t0 + warmup_s + seconds
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=httpx.Limits(max_connections=clients + 8)) as c:
+        async def worker(w: int):
+            i = 0
+            while time.perf_counter() < stop:
+                r = await stream(c, key, _ramp_body(model, w * 1000 + i))
+                i += 1
+                if r.ok:
+                    done.append(time.perf_counter())
+
+        await asyncio.gather(*(worker(w) for w in range(clients)))
+    return sum(1 for t in done if t0 + warmup_s <= t <= stop) / seconds
+
+
+def _ramp_body(model: str, i: int) -> dict:
+    words = " ".join(f"w{(i * 17 + j) % 991}" for j in range(30))
+    return {"model": model, "prompt": f"Answer: {words}", "max_tokens": RAMP_MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0}
+
+
+async def ramp_level(base: str, model: str, key: str, rate: float, seconds: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=2000)) as c:
+        tasks = []
+        t_end = time.perf_counter() + seconds
+        i = 0
+        while time.perf_counter() < t_end:
+            tasks.append(asyncio.create_task(stream(c, key, _ramp_body(model, seed * 100000 + i))))
+            i += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        results = list(await asyncio.gather(*tasks))
+    good = [r for r in results if r.ok and r.ttft is not None and r.ttft <= RAMP_SLO_S]
+    refused = [r for r in results if r.status == 503]
+    return {"offered_per_s": rate, "requests": len(results), "goodput_per_s": len(good) / seconds,
+            "in_slo": len(good) / len(results), "ok": sum(r.ok for r in results), "refused": len(refused),
+            "refused_codes": sorted({r.code for r in refused if r.code}),
+            "refused_with_retry_after": sum(1 for r in refused if r.retry_after),
+            "refusal_ms_p50": 1000 * pct([r.total for r in refused], 50) if refused else None,
+            "refusal_ms_p99": 1000 * pct([r.total for r in refused], 99) if refused else None,
+            "refusal_ms_max": 1000 * max(r.total for r in refused) if refused else None,
+            "ttft_p50_s": pct([r.ttft for r in results if r.ttft is not None], 50) if any(r.ttft for r in results) else None,
+            "other_failures": sum(1 for r in results if not r.ok and r.status != 503)}
+
+
+def _start(urls, settings, kit, logs: Path, policy: str, extra: list[str] | None = None) -> tuple[list[subprocess.Popen], str]:
+    import redis as sync_redis
+
+    redis_url = f"{urls.redis_url.rsplit('/', 1)[0]}/{REDIS_DB}"
+    sync_redis.Redis.from_url(redis_url).flushdb()
+    env = {**os.environ, **urls.as_env(), "MPLEX_REDIS_URL": redis_url, "MPLEX_HOME": str(settings.home),
+           "MPLEX_BASE_MODEL_DIR": str(kit.base_dir), "MPLEX_BASE_MODEL_NAME": kit.model_name, "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+    try:
+        ids = []
+        for i in range(2):
+            port = _free_port()
+            engine_id = f"fair-{policy}-{i}-{os.getpid()}-{int(time.time())}"
+            ids.append(engine_id)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "engine", "serve", "--model", str(kit.base_dir),
+                 "--served-model-name", kit.model_name, "--port", str(port), "--engine-id", engine_id,
+                 "--kv-memory-mb", "256", "--scheduling-policy", policy, "--log-level", "warning", *ENGINE_ARGS,
+                 *(extra or [])],
+                cwd=ROOT, env=env, stdout=open(logs / f"{engine_id}.log", "wb"), stderr=subprocess.STDOUT))
+            _wait(f"http://127.0.0.1:{port}/health", procs[-1])
+        gw_port = _free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "gateway", "serve", "--port", str(gw_port), "--log-level", "warning"],
+            cwd=ROOT, env=env, stdout=open(logs / f"gateway-{policy}.log", "wb"), stderr=subprocess.STDOUT))
+        _wait(f"http://127.0.0.1:{gw_port}/ready", procs[-1])
+        registry = sync_redis.Redis.from_url(redis_url)
+        deadline = time.time() + 30
+        while not all(registry.get(f"mplex:engine:{e}") for e in ids):
+            if time.time() > deadline:
+                raise RuntimeError("engines never registered")
+            time.sleep(0.2)
+    except BaseException:
+        stop_procs(procs)
+        raise
+    return procs, f"http://127.0.0.1:{gw_port}"
+
+
+def main() -> None:
+    from services.common.embedded import embedded_services
+    from services.common.migrate import upgrade
+    from services.common.settings import Settings
+    from services.modelkit import ensure_demo
+
+    kit = ensure_demo()
+    settings = Settings()
+    logs = Path(tempfile.mkdtemp(prefix="fairbench-"))
+    runs: dict[str, dict] = {}
+    ramp: list[dict] = []
+    with embedded_services(settings) as urls:
+        upgrade(urls.database_url)
+        key_a, key_b = _seed_key(urls.database_url), _seed_key(urls.database_url)
+        if "noisy" in PARTS:
+            for name, policy, with_b in (("FCFS", "fcfs", True), ("fair", "fair", True), ("A alone", "fair", False)):
+                procs, base = _start(urls, settings, kit, logs, policy)
+                try:
+                    runs[name] = asyncio.run(noisy_neighbour(base, kit.model_name, key_a, key_b, with_b))
+                    print(f"  {name}: {runs[name]}", flush=True)
+                finally:
+                    stop_procs(procs)
+        if "ramp" in PARTS:
+            procs, base = _start(urls, settings, kit, logs, "fair", ["--max-num-seqs", str(RAMP_SEATS)])
+            try:
+                capacity = asyncio.run(closed_loop_rate(base, kit.model_name, key_a))
+                print(f"  capacity (closed loop, {RAMP_SEATS} seats per engine): {capacity:.2f} req/s", flush=True)
+                for k, mult in enumerate(RAMP):
+                    level = asyncio.run(ramp_level(base, kit.model_name, key_a, mult * capacity, RAMP_LEVEL_S, k + 1))
+                    level["multiple"] = mult
+                    ramp.append(level)
+                    print(f"  ramp {mult}x: {level}", flush=True)
+                    time.sleep(3)  # the queue drains between levels
+            finally:
+                stop_procs(procs)
+    targets: list[Target] = []
+    if runs:
+        alone = runs["A alone"]["a_tok_s"]
+        rows = []
+        for name in ("FCFS", "fair"):
+            r = runs[name]
+            rows.append([name, r["b_requests"], 1000 * r["b_ttft_p50_s"], 1000 * r["b_ttft_p90_s"], 1000 * r["b_ttft_p99_s"],
+                         100 * r["b_in_slo"], r["a_tok_s"], r["a_tok_s"] / alone])
+        print(table(f"noisy neighbour: A sends {A_REQUESTS} long requests at once, B {B_RATE:g}/s short ones (TTFT ms)",
+                    ["scheduler", "B requests", "B TTFT p50", "p90", "p99", "B in SLO %", "A tok/s", "A / A alone"], rows))
+        fair = runs["fair"]
+        targets += [
+            Target("noisy neighbour, fair: B TTFT p99 s (<= 1)", fair["b_ttft_p99_s"], 1.0, higher_is_better=False),
+            Target("noisy neighbour, fair: B requests in SLO (>= 0.99)", fair["b_in_slo"], 0.99),
+            Target("noisy neighbour, fair: A throughput / A alone (>= 0.9)", fair["a_tok_s"] / alone, 0.9),
+        ]
+    if ramp:
+        peak = max(level["goodput_per_s"] for level in ramp)
+        peak_at = next(i for i, level in enumerate(ramp) if level["goodput_per_s"] == peak)
+        after = [level["goodput_per_s"] for level in ramp[peak_at:]]
+        print(table(f"overload ramp (one tenant, {RAMP_SEATS} seats per engine; goodput = first token within {RAMP_SLO_S:g} s)",
+                    ["offered x capacity", "offered/s", "requests", "goodput/s", "in SLO %", "refused", "refusal ms p50",
+                     "p99", "max", "with Retry-After", "other failures"],
+                    [[lv["multiple"], lv["offered_per_s"], lv["requests"], lv["goodput_per_s"], 100 * lv["in_slo"], lv["refused"],
+                      lv["refusal_ms_p50"], lv["refusal_ms_p99"], lv["refusal_ms_max"], lv["refused_with_retry_after"],
+                      lv["other_failures"]]
+                     for lv in ramp]))
+        refused = sum(lv["refused"] for lv in ramp)
+        slowest = max((lv["refusal_ms_max"] for lv in ramp if lv["refusal_ms_max"] is not None), default=float("nan"))
+        targets += [
+            Target("overload ramp: lowest goodput at or past the peak / peak (>= 0.9)", min(after) / peak, 0.9),
+            # NaN (not met) when nothing was refused: the ramp did not reach overload, so this was not measured.
+            Target("overload ramp: slowest refusal ms (< 100)", slowest, 100.0, higher_is_better=False),
+            Target("overload ramp: refusals with Retry-After (fraction)",
+                   sum(lv["refused_with_retry_after"] for lv in ramp) / refused if refused else float("nan"), 1.0),
+        ]
+    write_results("fairness", {"noisy_neighbour": runs, "ramp": ramp, "config": {
+        "a_requests": A_REQUESTS, "a_prompt_words": A_PROMPT_WORDS, "a_max_tokens": A_MAX_TOKENS, "b_rate": B_RATE,
+        "b_max_tokens": B_MAX_TOKENS, "ttft_slo_s": TTFT_SLO_S, "ramp_level_s": RAMP_LEVEL_S,
+        "ramp_max_tokens": RAMP_MAX_TOKENS, "ramp_slo_s": RAMP_SLO_S}}, targets)
+
+
+if __name__ == "__main__":
+    main()
