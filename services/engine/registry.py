@@ -17,10 +17,25 @@ REGISTRY_SET = "mplex:engines"
 RETIRED_ADAPTERS = "mplex:adapters:retired"  # content ids of deleted adapters: engines unload them
 ENTRY_TTL_S = 5
 INTERVAL_S = 1.0
+# The admin page's short history: one compact sample every HISTORY_EVERY heartbeats, newest first, capped.
+HISTORY_EVERY = 5
+HISTORY_LEN = 120  # 10 minutes at one sample per 5 s
+HISTORY_TTL_S = 900  # a dead engine's history goes with it
 
 
 def entry_key(engine_id: str) -> str:
     return f"mplex:engine:{engine_id}"
+
+
+def history_key(engine_id: str) -> str:
+    return f"mplex:engine:{engine_id}:history"
+
+
+def history_sample(snap: dict) -> dict:
+    """What the history keeps of a snapshot: the time, cumulative tokens (throughput is their rate) and load."""
+    return {"ts": snap["ts"], "tokens": snap.get("tokens_total", 0), "running": snap["running"],
+            "waiting": snap["waiting"], "kv_usage": snap["kv_usage"], "slots_used": len(snap["slot_adapters"]),
+            "slots_total": snap.get("slots_total")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +76,8 @@ def snapshot(engine, url: str, uptime: Uptime | None = None, engine_type: str | 
         "base_model": engine.config.model_name,
         "host_adapters": [w.content_id for w in a.resident()] if a else [],
         "slot_adapters": [c for c in a.slot_owners() if c] if a else [],
+        "slots_total": len(a.slot_owners()) if a else 0,
+        "tokens_total": engine.stats.tokens,  # prompt + generated tokens processed since start
         "running": engine.scheduler.num_running,
         "waiting": engine.scheduler.num_waiting,
         "kv_usage": round(engine.kv.usage, 4),
@@ -86,6 +103,7 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
     client = aioredis.from_url(redis_url)
     engine_id = async_engine.engine.config.engine_id
     uptime = await async_engine.call(Uptime.start)
+    beats = 0
     try:
         while not stop.is_set():
             try:
@@ -94,6 +112,10 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
                     pipe.set(entry_key(engine_id), orjson.dumps(snap), ex=ENTRY_TTL_S)
                     pipe.sadd(REGISTRY_SET, engine_id)
                     pipe.expire(REGISTRY_SET, 60)
+                    if beats % HISTORY_EVERY == 0:
+                        pipe.lpush(history_key(engine_id), orjson.dumps(history_sample(snap)))
+                        pipe.ltrim(history_key(engine_id), 0, HISTORY_LEN - 1)
+                        pipe.expire(history_key(engine_id), HISTORY_TTL_S)
                     pipe.smembers(RETIRED_ADAPTERS)
                     *_, retired = await pipe.execute()
                 resident = set(snap["host_adapters"]) | set(snap["slot_adapters"])
@@ -103,13 +125,14 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
                 log.warning("registry heartbeat failed: %s", exc)
             except Exception:  # never let the heartbeat kill the server; the entry just goes stale
                 log.exception("registry heartbeat error")
+            beats += 1
             try:
                 await asyncio.wait_for(stop.wait(), INTERVAL_S)
             except asyncio.TimeoutError:
                 pass
     finally:
         try:
-            await client.delete(entry_key(engine_id))
+            await client.delete(entry_key(engine_id), history_key(engine_id))
             await client.srem(REGISTRY_SET, engine_id)
         except (RedisError, OSError):
             pass

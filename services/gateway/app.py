@@ -145,7 +145,7 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
     from services.gateway.api import openai as openai_routes
 
     app.include_router(openai_routes.router)
-    for module in ("auth", "tenant", "tenant_usage", "admin", "finance", "adapters"):
+    for module in ("auth", "tenant", "tenant_usage", "playground", "admin", "admin_engines", "finance", "adapters"):
         try:
             mod = __import__(f"services.gateway.api.{module}", fromlist=["router"])
         except ModuleNotFoundError as exc:

@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import func, select
@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from services.common.errors import ConflictError, InvalidRequestError, NotFoundError
-from services.common.keys import ALL_SCOPES, DEFAULT_SCOPES, generate_key
+from services.common.keys import ALL_SCOPES, DEFAULT_SCOPES, SCOPE_INFERENCE, generate_key
 from services.common.models import (
     SLUG_PATTERN,
     Adapter,
@@ -319,6 +319,10 @@ def create_user(
     return user
 
 
+def list_users(session: Session, *, tenant_id: uuid.UUID) -> list[User]:
+    return list(session.scalars(select(User).where(User.tenant_id == tenant_id).order_by(User.email)))
+
+
 # -- API keys -------------------------------------------------------------------------------------------------
 def create_api_key(
     session: Session, *, tenant_id: uuid.UUID, name: str, actor: Actor, scopes: Iterable[str] | None = None,
@@ -342,6 +346,41 @@ def create_api_key(
     record_audit(session, actor=actor, action="key.create", tenant_id=tenant.id, target_type="api_key", target_id=row.id,
                  details={"name": name, "prefix": new.prefix, "scopes": scopes})
     return row, new.full
+
+
+# The web playground's temporary keys: inference only, short-lived, throttled on their own, one live per user.
+PLAYGROUND_KEY_NAME = "Playground · "
+PLAYGROUND_KEY_TTL = timedelta(minutes=30)
+PLAYGROUND_KEY_LIMITS = {"requests_per_min": 30, "concurrent_requests": 2}
+
+
+def revoke_playground_keys(session: Session, *, tenant_id: uuid.UUID, user_id: uuid.UUID) -> list[str]:
+    """Revoke the user's live playground keys and the tenant's expired ones (so they stop counting as live);
+    returns their hashes, whose cache entries the caller drops after committing."""
+    now = datetime.now(timezone.utc)
+    rows = session.scalars(
+        select(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None), ApiKey.expires_at.is_not(None),
+                             ApiKey.name.startswith(PLAYGROUND_KEY_NAME, autoescape=True))
+        .with_for_update()
+    ).all()
+    revoked = [k for k in rows if k.created_by == user_id or k.expires_at <= now]
+    for k in revoked:
+        k.revoked_at = now
+    session.flush()
+    return [k.key_hash for k in revoked]
+
+
+def create_playground_key(session: Session, *, tenant_id: uuid.UUID, user_id: uuid.UUID, email: str,
+                          actor: Actor) -> tuple[ApiKey, str, list[str]]:
+    """A temporary inference key for the signed-in user's browser, replacing their previous one. Returns the
+    row, the full key (this once) and the hashes of the keys it revoked."""
+    revoked = revoke_playground_keys(session, tenant_id=tenant_id, user_id=user_id)
+    name = (PLAYGROUND_KEY_NAME + email)[:MAX_NAME_LEN]
+    row, full = create_api_key(session, tenant_id=tenant_id, name=name, actor=actor, scopes=[SCOPE_INFERENCE],
+                               limits=PLAYGROUND_KEY_LIMITS)
+    row.expires_at = datetime.now(timezone.utc) + PLAYGROUND_KEY_TTL
+    session.flush()
+    return row, full, revoked
 
 
 def list_api_keys(session: Session, *, tenant_id: uuid.UUID) -> list[ApiKey]:
@@ -420,6 +459,12 @@ def get_adapter(session: Session, *, adapter_id: uuid.UUID, for_update: bool = F
     if row is None:
         raise NotFoundError("Adapter not found.")
     return row
+
+
+def get_adapter_with_versions(session: Session, *, adapter_id: uuid.UUID) -> AdapterWithVersions:
+    """Platform scope: a live adapter of any tenant with all its versions."""
+    adapter = get_adapter(session, adapter_id=adapter_id)
+    return AdapterWithVersions(adapter, _versions_of(session, adapter))
 
 
 def _versions_of(session: Session, adapter: Adapter) -> list[AdapterVersion]:

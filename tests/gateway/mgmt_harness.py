@@ -166,13 +166,15 @@ class TenantWorld:
     adapter: object
     v1: object  # ready, active
     v2: object  # rejected by the gate
+    event: object  # a usage event (a request made with `key` through `adapter` v1)
     ids: dict[str, str] = field(default_factory=dict)
 
     def markers(self) -> list[str]:
         """Strings that identify this tenant's objects: none may appear in another tenant's responses."""
         return [str(self.tenant.id), self.tenant.slug, self.tenant.name, str(self.key.row.id), self.key.row.prefix,
                 self.key.row.name, str(self.adapter.id), self.adapter.name, str(self.v1.id), str(self.v2.id),
-                self.v1.content_sha256, self.v2.content_sha256, self.admin.email, self.member.email]
+                self.v1.content_sha256, self.v2.content_sha256, self.admin.email, self.member.email,
+                self.event.request_id]
 
 
 @dataclass
@@ -201,9 +203,9 @@ def make_tenant_world(db, label: str) -> TenantWorld:
     v2 = make_adapter_version(db, adapter=adapter, status=AdapterStatus.REJECTED, rank=8)
     v2.status_reasons = [{"code": "margin_below_threshold", "message": "adapter does not beat the base model"}]
     db.commit()
-    make_usage_event(db, tenant=tenant, api_key=key.row, adapter_version=v1, model=adapter.name,
-                     prompt_tokens=30, completion_tokens=12)
-    return TenantWorld(tenant, admin, member, key, adapter, v1, v2)
+    event = make_usage_event(db, tenant=tenant, api_key=key.row, adapter_version=v1, model=adapter.name,
+                             prompt_tokens=30, completion_tokens=12)
+    return TenantWorld(tenant, admin, member, key, adapter, v1, v2, event)
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,9 @@ def test_tenant_list_counts_this_months_tokens(admin, db):
     assert data[str(tenant.id)]["usage_this_month_tokens"] == 130
     assert data[str(tenant.id)]["limits"]["monthly_token_budget"] == 1_000_000
     assert data[str(idle.id)]["usage_this_month_tokens"] == 0
-    assert set(data[str(idle.id)]) == {"id", "name", "slug", "plan", "status", "limits", "usage_this_month_tokens"}
+    assert set(data[str(idle.id)]) == {"id", "name", "slug", "plan", "status", "limits", "usage_this_month_tokens",
+                                       "billed_this_month_microusd", "user_count"}
+    assert (data[str(idle.id)]["billed_this_month_microusd"], data[str(idle.id)]["user_count"]) == (0, 0)
 
 
 def test_create_tenant_then_its_users_sign_in(admin, browser, world, db):

@@ -40,7 +40,7 @@ class Endpoint:
     method: str
     path: str  # the route template; its one path parameter is written {id}
     roles: tuple[str, ...]  # allowed; other roles get 403, anonymous 401
-    target: str | None = None  # what {id} names: key | version | adapter | tenant
+    target: str | None = None  # what {id} names: key | version | adapter | tenant | request
     tenant_scoped: bool = True  # ids are the caller's tenant's only (another tenant's = 404)
     body: dict | None = None  # a valid body: if a check failed open, the call would act
     required: bool = True  # False: another engineer's route, checked once it exists
@@ -62,6 +62,10 @@ ENDPOINTS = [
     Endpoint("GET", "/api/tenant/usage", TENANT, required=False),
     Endpoint("GET", "/api/tenant/spend", TENANT, required=False),
     Endpoint("POST", "/api/tenant/adapters", TENANT_ADMIN),
+    # the web app's breakdowns and playground (api/tenant_usage.py, api/playground.py)
+    Endpoint("GET", "/api/tenant/usage/keys", TENANT),
+    Endpoint("GET", "/api/tenant/requests/{id}", TENANT, target="request"),
+    Endpoint("POST", "/api/tenant/playground/key", TENANT),
     # platform admin (api/admin.py): any tenant's ids, platform_admin only
     Endpoint("GET", "/api/admin/tenants", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
@@ -76,11 +80,15 @@ ENDPOINTS = [
              {"decision": "rejected", "reason": "bola"}),
     Endpoint("POST", "/api/admin/adapters/{id}/rollback", PLATFORM, "adapter", False, {"version": 1}),
     Endpoint("DELETE", "/api/admin/adapters/{id}", PLATFORM, "adapter", False),
+    Endpoint("GET", "/api/admin/tenants/{id}/users", PLATFORM, "tenant", False),
+    Endpoint("GET", "/api/admin/adapters/{id}", PLATFORM, "adapter", False),
     Endpoint("GET", "/api/admin/engines", PLATFORM, tenant_scoped=False),
+    Endpoint("GET", "/api/admin/engines/history", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False),
     # finance (another engineer's): role checks only
     Endpoint("GET", "/api/finance/report", FINANCE, tenant_scoped=False, required=False),
     Endpoint("GET", "/api/finance/report.csv", FINANCE, tenant_scoped=False, required=False),
+    Endpoint("GET", "/api/finance/trend", FINANCE, tenant_scoped=False, required=False),
 ]
 
 
@@ -121,7 +129,8 @@ def _skip_if_absent(gateway, ep: Endpoint) -> None:
 
 
 def _ids(tw) -> dict[str, str]:
-    return {"key": str(tw.key.row.id), "version": str(tw.v1.id), "adapter": str(tw.adapter.id), "tenant": str(tw.tenant.id)}
+    return {"key": str(tw.key.row.id), "version": str(tw.v1.id), "adapter": str(tw.adapter.id), "tenant": str(tw.tenant.id),
+            "request": tw.event.request_id}
 
 
 def _call(api, ep: Endpoint, id_: str | None = None):
@@ -217,9 +226,10 @@ def test_other_tenants_ids_are_404_like_missing_ones(gateway, browser, world, ep
     assert {k.lower() for k in theirs.headers} == {k.lower() for k in missing.headers}
     for marker in world.b.markers():
         assert marker not in theirs.text
-    # An id of the caller's own, of the wrong kind, is no way round either.
+    # An id of the caller's own, of the wrong kind, is no way round either. (A request id is not a UUID: routes
+    # whose id is a UUID refuse it as malformed, 400, before any lookup; it is tried on the request route only.)
     for kind, own in _ids(world.a).items():
-        if kind != ep.target:
+        if kind != ep.target and kind != "request":
             r = _call(api, ep, own)
             assert r.status_code == 404 and r.content == missing.content, (kind, r.text)
 

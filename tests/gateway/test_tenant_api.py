@@ -45,7 +45,8 @@ def test_key_lifecycle_create_list_use_revoke(gateway, browser, world, db, redis
     assert listing.status_code == 200 and created["key"] not in listing.text
     mine = next(k for k in listing.json()["data"] if k["id"] == created["id"])
     assert mine == {"id": created["id"], "name": "production", "prefix": created["prefix"], "scopes": [SCOPE_INFERENCE],
-                    "created_at": mine["created_at"], "last_used_at": mine["last_used_at"], "revoked_at": None}
+                    "created_at": mine["created_at"], "last_used_at": mine["last_used_at"], "revoked_at": None,
+                    "expires_at": None}
     assert listing.json()["data"][0]["id"] == created["id"]  # newest first
 
     # Revocation is immediate on this gateway although the key cache TTL is minutes long.

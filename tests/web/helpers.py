@@ -1,16 +1,26 @@
 """Small helpers for the browser tests: sign in through the form, read numbers the page shows, wait on the server."""
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 from typing import TypeVar
 
 from playwright.sync_api import Page, expect
 
 T = TypeVar("T")
 
-DESKTOP = {"width": 1280, "height": 800}
+DESKTOP = {"width": 1440, "height": 900}
 PHONE = {"width": 390, "height": 844}
+WIDTHS = [DESKTOP, PHONE]  # `@pytest.mark.parametrize("viewport", WIDTHS, indirect=True, ids=WIDTH_IDS)`
+WIDTH_IDS = ["1440px", "390px"]
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts" / "web"
+AXE = ROOT / "web" / "node_modules" / "axe-core" / "axe.min.js"
+BLOCKING = ("serious", "critical")
 
 PASSWORDS = {
     "admin@demo.test": "demo-admin-pass",
@@ -107,3 +117,61 @@ def ledger_count(db_engine, **where) -> int:
     clause = " AND ".join(f"{k} = :{k}" for k in where) or "true"
     with db_engine.connect() as conn:
         return conn.execute(text(f"SELECT count(*) FROM usage_events WHERE {clause}"), where).scalar_one()
+
+
+# -- accessibility and screenshots -------------------------------------------------------------------------
+@cache
+def _axe_source() -> str:
+    if not AXE.exists():
+        raise AssertionError(f"{AXE} is missing: run `npm ci` in web/ (axe-core is a dev dependency)")
+    return AXE.read_text()
+
+
+def check_a11y(page: Page, what: str) -> list[dict]:
+    """Run axe-core on the page as it is now; fail on any serious or critical violation. axe is evaluated through
+    the DevTools protocol, not added as a <script>: the app's CSP (rightly) refuses inline scripts."""
+    if not page.evaluate("() => typeof window.axe === 'object'"):
+        page.evaluate(_axe_source())
+    violations = page.evaluate("""async () => {
+        const r = await window.axe.run(document, {resultTypes: ['violations']});
+        return r.violations.map(v => ({id: v.id, impact: v.impact, help: v.help,
+                                        nodes: v.nodes.slice(0, 5).map(n => n.target.join(' '))}));
+    }""")
+    bad = [v for v in violations if v["impact"] in BLOCKING]
+    assert not bad, f"axe found serious/critical accessibility problems on {what} ({page.url}):\n" + "\n".join(
+        f"  {v['impact']} {v['id']}: {v['help']} at {v['nodes']}" for v in bad)
+    return violations
+
+
+def shot(page: Page, name: str) -> Path:
+    """A full-page screenshot under test-artifacts/web/, named after the view and the viewport width."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    width = page.viewport_size["width"] if page.viewport_size else 0
+    path = ARTIFACTS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{width}px.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def no_sideways_scroll(page: Page) -> None:
+    """The page fits its viewport's width (a phone never scrolls sideways)."""
+    width = page.viewport_size["width"]
+    scroll = page.evaluate("document.documentElement.scrollWidth")
+    assert scroll <= width, f"{page.url} is {scroll} px wide in a {width} px viewport"
+
+
+def visit(page: Page, what: str) -> None:
+    """The checks every page gets: settled, accessible, fits a phone, saved as a screenshot."""
+    page.wait_for_load_state("networkidle")
+    check_a11y(page, what)
+    no_sideways_scroll(page)
+    shot(page, what)
+
+
+def expected_http_error(page: Page, status: int, url_pattern: str) -> None:
+    """A refusal the test provoked on purpose (the API's contract: 404 for an unknown id, 409 for a conflict, 400
+    for bad input). Chromium logs every such response as a console error; drop exactly those lines, and require
+    that the refusal was seen, so any other console error still fails the test."""
+    pattern = re.compile(rf"status of {status} .*{url_pattern}")
+    matched = [p for p in page.problems if pattern.search(p)]
+    assert matched, f"expected a {status} from {url_pattern}; the browser saw: {page.problems}"
+    page.problems[:] = [p for p in page.problems if p not in matched]

@@ -81,9 +81,12 @@ def test_admin_uploads_a_demo_adapter_and_watches_it_become_ready(page, web_stac
     assert seen["status"][-1] == "ready" and set(seen["status"]) <= {"uploaded", "validating", "evaluating", "ready"}
     assert len(seen["status"]) >= 2, f"no status change was shown before ready: {seen['status']}"
 
-    # The gate's metrics: both checks passed, scores of adapter vs base per metric, the adapter's shape.
+    # The gate's metrics: every check it made passed (the margin applies: an eval set came with the upload), scores
+    # of adapter vs base per metric, the adapter's shape.
     expect(tid(page, "gate-passed")).to_have_text("passed")
-    for check in ("margin", "fp8"):
+    checks = [c.get_attribute("data-testid").removeprefix("gate-check-") for c in page.locator("[data-testid^='gate-check-']").all()]
+    assert checks == ["margin", "well_formed", "logits", "fp8_agreement"], checks
+    for check in checks:
         expect(tid(page, f"gate-check-{check}")).to_contain_text("passed")
     rouge = [c.strip() for c in tid(page, "gate-metric-rouge_l").locator("td").all_inner_texts()]
     base, adapter_score, delta = float(rouge[0]), float(rouge[1]), float(rouge[3])
@@ -143,7 +146,9 @@ def test_a_pickled_upload_is_rejected_and_the_page_shows_why(page, web_stack, tm
     tid(page, "nav-tenants").click()
     tid(page, "tenant-adapters-demo").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Adapters of Demo Tenant")
+    tid(page, "adapters-search").fill(name)  # rejected adapters are collapsed until asked for; a search finds them
     card = tid(page, f"adapter-{name}")
     expect(card).to_contain_text("no active version")
+    tid(page, f"adapter-toggle-{name}").click()
     card.locator("[data-testid^='version-toggle-']").click()
     expect(card.get_by_test_id("rejection-reasons")).to_contain_text("pickle_file")

@@ -11,6 +11,7 @@ import { EnginesPage } from "./pages/EnginesPage";
 import { FinancePage } from "./pages/FinancePage";
 import { KeysPage } from "./pages/KeysPage";
 import { LoginPage } from "./pages/LoginPage";
+import { PlaygroundPage } from "./pages/PlaygroundPage";
 import { TenantsPage } from "./pages/TenantsPage";
 import { UploadPage } from "./pages/UploadPage";
 import { UsagePage } from "./pages/UsagePage";
@@ -102,6 +103,7 @@ function resolve(user: User, path: string): Resolved | null {
     "/usage": () => ({ title: "Usage", page: <UsagePage /> }),
     "/keys": () => ({ title: "API keys", page: <KeysPage /> }),
     "/adapters": () => ({ title: "Adapters", page: <AdaptersPage /> }),
+    "/playground": () => ({ title: "Playground", page: <PlaygroundPage /> }),
     "/admin/tenants": () => ({ title: "Tenants", page: <TenantsPage /> }),
     "/admin/upload": () => ({ title: "Upload adapter", page: <UploadPage scope="admin" /> }),
     "/admin/engines": () => ({ title: "Engines", page: <EnginesPage /> }),

@@ -135,7 +135,13 @@ describe("FinancePage", () => {
     rows: [row("t1", "Beta", 100_000, 50_000), row("t2", "alpha", 200_000, 250_000), row("t3", "Gamma", 3, 1)],
     totals: null,
     unallocated_cost_microusd: 7,
+    net_margin_microusd: -5,
   };
+  const day = (d: string, billed: number, cost: number, idle: number) => ({
+    day: d, requests: 1, billed_microusd: billed, compute_cost_microusd: cost, margin_microusd: billed - cost,
+    unallocated_cost_microusd: idle, net_margin_microusd: billed - cost - idle,
+  });
+  const TREND = { period: REPORT.period, rows: [day("2025-01-01", 300_000, 250_000, 5), day("2025-01-02", 3, 1, 2)] };
 
   async function mountFinance() {
     const { FinancePage } = await import("../src/pages/FinancePage");
@@ -143,6 +149,7 @@ describe("FinancePage", () => {
     const client = new ApiClient({
       fetch: async (url: string) => {
         queries.push(url);
+        if (url.startsWith("/api/finance/trend")) return Response.json(TREND);
         return Response.json(REPORT);
       },
     });
@@ -168,6 +175,9 @@ describe("FinancePage", () => {
     expect(byTestId(root, "finance-total-billed")!.getAttribute("data-microusd")).toBe("300003");
     expect(byTestId(root, "finance-total-margin")!.textContent).toBe("$0.000002");
     expect(byTestId(root, "finance-unallocated")!.textContent).toBe("$0.000007");
+    // After the idle cost no tenant used: the server's net margin, negative here and said so.
+    expect(byTestId(root, "finance-net-margin")!.textContent).toBe("-$0.000005");
+    expect(byTestId(root, "finance-net-negative")).not.toBeNull();
     const period = new URL(queries[0], "http://x").searchParams;
     const csv = new URL((byTestId(root, "download-csv") as HTMLAnchorElement).getAttribute("href")!, "http://x");
     expect(csv.pathname).toBe("/api/finance/report.csv");
@@ -185,6 +195,103 @@ describe("FinancePage", () => {
     await act(() => (byTestId(root, "sort-margin") as HTMLButtonElement).click());
     expect(order()).toEqual(["Beta", "Gamma", "alpha"]);
     expect(byTestId(root, "sort-margin")!.closest("th")!.getAttribute("aria-sort")).toBe("descending");
+  });
+});
+
+describe("FinancePage money columns", () => {
+  it("print one fixed number of decimals per column, totals included", async () => {
+    const { FinancePage } = await import("../src/pages/FinancePage");
+    const report = {
+      period: { from: "2025-01-01", to: "2025-01-31" },
+      rows: [
+        { tenant_id: "a", tenant_name: "A", requests: 1, prompt_tokens: 1, cached_tokens: 0, completion_tokens: 1,
+          billed_microusd: 1_234_500_000, compute_cost_microusd: 2_000_000, margin_microusd: 1_232_500_000, breakdown: [] },
+        { tenant_id: "b", tenant_name: "B", requests: 1, prompt_tokens: 1, cached_tokens: 0, completion_tokens: 1,
+          billed_microusd: 1_234, compute_cost_microusd: 1_000_000, margin_microusd: -998_766, breakdown: [] },
+      ],
+      totals: null, unallocated_cost_microusd: 0, net_margin_microusd: 1_231_501_234,
+    };
+    const client = new ApiClient({
+      fetch: async (url: string) => Response.json(url.startsWith("/api/finance/trend") ? { period: report.period, rows: [] } : report),
+    });
+    root = document.createElement("div");
+    document.body.append(root);
+    await act(() => {
+      render(
+        <AppContext.Provider value={{ client, user: { ...user("finance"), tenant_id: null, tenant_name: null } }}>
+          <FinancePage />
+        </AppContext.Provider>,
+        root,
+      );
+    });
+    await settle();
+    const cells = (id: string) => [...root.querySelectorAll(`[data-testid="${id}"] td`)].map((td) => td.textContent);
+    // billed needs six decimals for B's $0.001234, so A's $1,234.50 prints $1,234.500000; cost needs only cents.
+    expect(cells("finance-row-a").slice(4, 7)).toEqual(["$1,234.500000", "$2.00", "$1,232.500000"]);
+    expect(cells("finance-row-b").slice(4, 7)).toEqual(["$0.001234", "$1.00", "-$0.998766"]);
+    expect(cells("finance-totals").slice(4, 7)).toEqual(["$1,234.501234", "$3.00", "$1,231.501234"]);
+  });
+});
+
+describe("PeriodPicker", () => {
+  it("highlights no preset once the dates are edited, valid or not (bug: a chip stayed pressed)", async () => {
+    const { PeriodPicker } = await import("../src/components/PeriodPicker");
+    const { periodPresets } = await import("../src/lib/dates");
+    const last7 = periodPresets(new Date()).find((p) => p.id === "last-7")!.period;
+    const applied: { from: string; to: string }[] = [];
+    root = document.createElement("div");
+    document.body.append(root);
+    await act(() => render(<PeriodPicker value={last7} onApply={(p) => applied.push(p)} idPrefix="t" />, root));
+    const chip = () => byTestId(root, "period-last-7")!.getAttribute("aria-pressed");
+    expect(chip()).toBe("true");
+    const from = byTestId(root, "period-from") as HTMLInputElement;
+    await act(() => {
+      from.value = "2999-01-01"; // after `to`: an invalid range
+      from.dispatchEvent(new Event("input", { bubbles: true }));
+    });
+    await act(() => (byTestId(root, "period-apply") as HTMLButtonElement).click());
+    expect(byTestId(root, "period-error")!.textContent).toContain("start date");
+    expect(applied).toEqual([]);
+    expect(root.querySelectorAll('[aria-pressed="true"]')).toHaveLength(0);
+  });
+});
+
+describe("VersionPage", () => {
+  async function mountVersion(id: string, status: number) {
+    const { VersionPage } = await import("../src/pages/VersionPage");
+    const calls: string[] = [];
+    const client = new ApiClient({
+      fetch: async (url: string) => {
+        calls.push(url);
+        return Response.json({ error: { message: status === 404 ? "Adapter version not found." : "boom" } }, { status });
+      },
+    });
+    root = document.createElement("div");
+    document.body.append(root);
+    await act(() => {
+      render(
+        <AppContext.Provider value={{ client, user: user("tenant_admin") }}>
+          <VersionPage versionId={id} />
+        </AppContext.Provider>,
+        root,
+      );
+    });
+    await settle();
+    return calls;
+  }
+
+  it("says a malformed id is not a version id, without asking the server (bug: raw validation text)", async () => {
+    const calls = await mountVersion("not-a-uuid", 400);
+    expect(calls).toEqual([]);
+    expect(byTestId(root, "version-invalid")!.textContent).toContain("is not a version id");
+    expect(root.textContent).not.toContain("Try again");
+  });
+
+  it("says an unknown version is not found, with no useless retry (bug: 'Something went wrong')", async () => {
+    await mountVersion("0192f3c4-0000-7000-8000-000000000000", 404);
+    expect(byTestId(root, "version-not-found")!.textContent).toContain("No adapter version has this id");
+    expect(root.textContent).not.toContain("Something went wrong");
+    expect(root.textContent).not.toContain("Try again");
   });
 });
 

@@ -11,31 +11,35 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
+from datetime import datetime, timezone
+
 import anyio.from_thread
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from services.common.models import AdapterVersion, User
-from services.engine.registry import REGISTRY_SET, entry_key
+from services.billing.config import BillingConfig
+from services.billing.rollup import current_daily_rows
+from services.billing.statements import month_end
+from services.common.models import AdapterVersion, Tenant, User
 from services.gateway import crud
 from services.gateway.api.auth import actor_of, drop_cached_keys
 from services.gateway.api.views import (
     AdapterOut,
+    AdminAdapterOut,
     AdminTenantOut,
-    EngineOut,
     ListOf,
     StorageOut,
     TenantOut,
+    TenantUserOut,
     UserOut,
     VersionOut,
     adapter_out,
     admin_tenant_out,
-    engine_out,
     storage_out,
     tenant_out,
+    tenant_user_out,
     user_out,
     version_out,
 )
@@ -113,11 +117,18 @@ def _override_names(db, versions: list[AdapterVersion]) -> dict[uuid.UUID, str]:
 
 # -- tenants ----------------------------------------------------------------------------------------------------
 @router.get("/tenants", response_model=ListOf[AdminTenantOut], responses=_ERRORS)
-def list_tenants(_: PlatformAdmin, db: SessionDep):
-    """Every tenant with its tokens used this month."""
+def list_tenants(_: PlatformAdmin, db: SessionDep, gw: GatewayDep):
+    """Every tenant with its tokens used and amount billed this UTC month, and how many users it has."""
     tenants = crud.list_tenants(db)
     used = crud.tokens_this_month_by_tenant(db)
-    return ListOf[AdminTenantOut](data=[admin_tenant_out(t, used.get(t.id, 0)) for t in tenants])
+    today = datetime.now(timezone.utc).date()
+    billed: dict[uuid.UUID, int] = {}
+    for r in current_daily_rows(db, BillingConfig.from_settings(gw.settings), day_from=today.replace(day=1),
+                                day_to=month_end(today)):
+        billed[r.tenant_id] = billed.get(r.tenant_id, 0) + r.billed_micros
+    users = dict(db.execute(select(User.tenant_id, func.count()).where(User.tenant_id.is_not(None)).group_by(User.tenant_id)).all())
+    return ListOf[AdminTenantOut](data=[admin_tenant_out(t, used.get(t.id, 0), billed.get(t.id, 0), users.get(t.id, 0))
+                                        for t in tenants])
 
 
 @router.post("/tenants", status_code=201, response_model=TenantOut, responses={**_ERRORS, 409: {}})
@@ -167,6 +178,13 @@ def create_user(tenant_id: uuid.UUID, body: UserCreate, user: PlatformAdmin, req
     return user_out(created, tenant.name)
 
 
+@router.get("/tenants/{tenant_id}/users", response_model=ListOf[TenantUserOut], responses=_ERRORS_404)
+def list_tenant_users(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
+    """The people who sign in for one tenant (no password hashes, no sessions); 404 for an unknown tenant."""
+    tenant = crud.get_tenant(db, tenant_id=tenant_id)
+    return ListOf[TenantUserOut](data=[tenant_user_out(u) for u in crud.list_users(db, tenant_id=tenant.id)])
+
+
 # -- adapters ---------------------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant_id}/adapters", response_model=ListOf[AdapterOut], responses=_ERRORS_404)
 def list_tenant_adapters(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
@@ -176,6 +194,15 @@ def list_tenant_adapters(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep)
     items = crud.list_adapters(db, tenant_id=tenant.id)
     names = _override_names(db, [v for item in items for v in item.versions])
     return ListOf[AdapterOut](data=[adapter_out(item, override_names=names) for item in items])
+
+
+@router.get("/adapters/{adapter_id}", response_model=AdminAdapterOut, responses=_ERRORS_404)
+def get_adapter(adapter_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
+    """One live adapter with all its versions and its tenant (the version page's rollback list and way back)."""
+    item = crud.get_adapter_with_versions(db, adapter_id=adapter_id)
+    tenant = db.get(Tenant, item.adapter.tenant_id)
+    out = adapter_out(item, override_names=_override_names(db, item.versions))
+    return AdminAdapterOut(**out.model_dump(), tenant_id=tenant.id, tenant_name=tenant.name)
 
 
 @router.get("/adapter-versions/{version_id}", response_model=VersionOut, responses=_ERRORS_404)
@@ -213,12 +240,3 @@ def delete_adapter(adapter_id: uuid.UUID, user: PlatformAdmin, request: Request,
     db.commit()
     _forget_resolutions(gw, adapter.tenant_id)
     return Response(status_code=204)
-
-
-# -- engines ----------------------------------------------------------------------------------------------------
-@router.get("/engines", response_model=ListOf[EngineOut], responses=_ERRORS)
-async def list_engines(_: PlatformAdmin, gw: GatewayDep):
-    """Live engines from the Redis registry (entries expire a few seconds after an engine's last heartbeat)."""
-    ids = sorted(m.decode() for m in await gw.redis.smembers(REGISTRY_SET))
-    raw = await gw.redis.mget([entry_key(i) for i in ids]) if ids else []
-    return ListOf[EngineOut](data=[engine_out(orjson.loads(r)) for r in raw if r])

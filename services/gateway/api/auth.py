@@ -22,7 +22,7 @@ from services.common.ids import new_request_id
 from services.common.models import Tenant, User
 from services.common.passwords import MAX_LENGTH, WeakPassword, hash_password, needs_rehash, verify_password
 from services.gateway.auth import CSRF_HEADER, SESSION_COOKIE, SessionPrincipal, check_csrf, create_session, load_session, revoke_session
-from services.gateway.crud import Actor
+from services.gateway.crud import Actor, revoke_playground_keys
 from services.gateway.deps import GatewayDep, SessionDep
 from services.gateway.api.views import SessionOut, user_out
 from services.gateway.state import Gateway
@@ -158,7 +158,11 @@ def logout(request: Request, gw: GatewayDep, db: SessionDep):
         principal, csrf = loaded
         check_csrf(csrf, request.headers.get(CSRF_HEADER))
         revoke_session(db, principal.session_id)
+        revoked = []
+        if principal.tenant_id is not None:  # the playground's temporary key ends with the sign-out
+            revoked = revoke_playground_keys(db, tenant_id=principal.tenant_id, user_id=principal.user_id)
         db.commit()
+        drop_cached_keys(gw, revoked)
     response = Response(status_code=204)
     response.delete_cookie(SESSION_COOKIE, **_cookie_flags(gw))
     return response

@@ -11,16 +11,73 @@ from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from services.billing.config import BillingConfig
+from services.billing.key_usage import usage_by_key
+from services.billing.pricebook import PriceBook
+from services.billing.pricing import price_usage
+from services.billing.statements import adapter_labels
 from services.billing.usage import UsageQueryError, parse_group_by, parse_period, tenant_spend, tenant_usage
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, NotFoundError
+from services.common.models import Tenant, UsageEvent
 from services.gateway.deps import GatewayDep, SessionDep, TenantUser
 from services.gateway.quotas import Limits, Scope
 
 router = APIRouter(prefix="/api/tenant", tags=["tenant"])
+
+_ERRORS = {400: {}, 401: {}, 403: {}}
+FromQuery = Annotated[str | None, Query(alias="from", description="First day (UTC), YYYY-MM-DD; default: month start")]
+ToQuery = Annotated[str | None, Query(description="Last day (UTC, inclusive); default: month end")]
+
+
+class KeyUsageRow(BaseModel):
+    key_id: uuid.UUID | None  # null: requests made without an API key
+    key_name: str | None
+    key_prefix: str | None
+    revoked: bool
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    billed_microusd: int  # the daily rows' billed amounts apportioned by key (services.billing.key_usage)
+
+
+class KeyUsageTotals(BaseModel):
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    billed_microusd: int
+
+
+class KeyUsageOut(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_: str = Field(alias="from")
+    to: str
+    rows: list[KeyUsageRow]
+    totals: KeyUsageTotals
+
+
+class RequestRecordOut(BaseModel):
+    """One request as the ledger recorded it (the playground shows its tokens and cost)."""
+
+    request_id: str
+    model: str  # as requested
+    adapter: str | None  # name@version, null for the base model
+    status: str
+    http_status: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    billed_microusd: int | None  # this request priced on its own; null when no price applies
+    created_at: datetime
+    first_token_ms: int | None
+    finished_ms: int | None
 
 
 def _tenant(user) -> uuid.UUID:
@@ -46,6 +103,50 @@ def usage(
     return tenant_usage(db, config, tenant_id=_tenant(user), day_from=day_from, day_to=day_to, group_by=groups)
 
 
+@router.get("/usage/keys", response_model=KeyUsageOut, responses=_ERRORS)
+def usage_per_key(user: TenantUser, db: SessionDep, gw: GatewayDep, from_: FromQuery = None, to: ToQuery = None):
+    """Requests, tokens and billed amount per API key of the caller's tenant (revoked keys included)."""
+    config = BillingConfig.from_settings(gw.settings)
+    try:
+        day_from, day_to = parse_period(from_, to, config, datetime.now(timezone.utc).date())
+    except UsageQueryError as exc:
+        raise InvalidRequestError(str(exc), param=exc.param) from None
+    rows = usage_by_key(db, config, tenant_id=_tenant(user), day_from=day_from, day_to=day_to)
+    out = [KeyUsageRow(key_id=u.key_id, key_name=u.name, key_prefix=u.prefix, revoked=u.revoked, requests=u.requests,
+                       prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
+                       billed_microusd=u.billed_micros) for u in rows]
+    totals = KeyUsageTotals(**{f: sum(getattr(r, f) for r in out) for f in KeyUsageTotals.model_fields})
+    return KeyUsageOut(from_=day_from.isoformat(), to=day_to.isoformat(), rows=out, totals=totals)
+
+
+RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+@router.get("/requests/{request_id}", response_model=RequestRecordOut, responses={**_ERRORS, 404: {}})
+def get_request(request_id: str, user: TenantUser, db: SessionDep):
+    """One of the tenant's requests by its id (`x-request-id`, or the response's `id`), once it is in the ledger
+    (a moment after the response ends). Another tenant's request is a 404 like a missing one."""
+    rid = request_id[:200]
+    for prefix in RESPONSE_ID_PREFIXES:
+        rid = rid.removeprefix(prefix)
+    tenant_id = _tenant(user)
+    event = db.scalar(select(UsageEvent).where(UsageEvent.request_id == rid, UsageEvent.tenant_id == tenant_id))
+    if event is None:
+        raise NotFoundError("No such request in the ledger (yet).")
+    adapter = None
+    if event.adapter_version_id is not None:
+        name, version = adapter_labels(db, {event.adapter_version_id}).get(event.adapter_version_id, (event.model, 0))
+        adapter = f"{name}@{version}"
+    plan = db.scalar(select(Tenant.plan).where(Tenant.id == tenant_id))
+    amounts = price_usage(PriceBook.load(db), plan, event) if plan is not None else None
+    return RequestRecordOut(
+        request_id=event.request_id, model=event.model, adapter=adapter, status=str(event.status),
+        http_status=event.http_status, prompt_tokens=event.prompt_tokens, cached_tokens=event.cached_tokens,
+        completion_tokens=event.completion_tokens, billed_microusd=amounts.billed_micros if amounts else None,
+        created_at=event.created_at, first_token_ms=event.first_token_ms, finished_ms=event.finished_ms,
+    )
+
+
 @router.get("/spend")
 async def spend(user: TenantUser, db: SessionDep, gw: GatewayDep) -> dict:
     tenant_id = _tenant(user)
@@ -57,8 +158,19 @@ async def spend(user: TenantUser, db: SessionDep, gw: GatewayDep) -> dict:
         "billed_microusd": s.billed_micros,
         "projected_microusd": s.projected_micros,
         "budget": {"monthly_token_budget": s.monthly_token_budget, "used_tokens": s.used_tokens},
+        "budget_in_dollars": _budget_in_dollars(s),
         "meters": {name: {"limit": s.limits[name], "used": used[name]} for name in ("tokens_per_min", "requests_per_min", "concurrent", "monthly_tokens")},
     }
+
+
+def _budget_in_dollars(s) -> dict:
+    """The token budget in dollars at this month's average billed price per token (an estimate: the budget
+    counts tokens, and what a token costs depends on input/output mix, cache hits and adapters)."""
+    rate = s.billed_micros * 1_000_000 // s.used_tokens if s.used_tokens else None  # micro-USD per 1M tokens
+    budget = None
+    if rate is not None and s.monthly_token_budget is not None:
+        budget = s.monthly_token_budget * s.billed_micros // s.used_tokens
+    return {"used_microusd": s.billed_micros, "budget_microusd": budget, "microusd_per_million_tokens": rate}
 
 
 async def _meters(gw, tenant_id: uuid.UUID, month_tokens: int) -> dict[str, int | None]:

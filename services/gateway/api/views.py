@@ -52,6 +52,17 @@ class TenantOut(BaseModel):
 
 class AdminTenantOut(TenantOut):
     usage_this_month_tokens: int
+    billed_this_month_microusd: int  # the same daily rows as statements: what the tenant's page shows as spend
+    user_count: int
+
+
+class TenantUserOut(BaseModel):
+    id: uuid.UUID
+    email: str
+    role: str
+    created_at: datetime
+    last_login_at: datetime | None
+    disabled: bool
 
 
 class KeyOut(BaseModel):
@@ -62,6 +73,7 @@ class KeyOut(BaseModel):
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+    expires_at: datetime | None  # set on temporary keys only (the playground's)
 
 
 class CreatedKeyOut(BaseModel):
@@ -114,6 +126,7 @@ class VersionOut(BaseModel):
     adapter_name: str
     version: int
     status: str
+    active: bool  # the version the adapter's name routes to now
     progress: ProgressOut
     reasons: list[ReasonOut]
     rank: int | None
@@ -132,6 +145,24 @@ class AdapterOut(BaseModel):
     versions: list[VersionOut]
 
 
+class AdminAdapterOut(AdapterOut):
+    tenant_id: uuid.UUID
+    tenant_name: str
+
+
+class EngineAdapterOut(BaseModel):
+    """A content id an engine holds, with the adapter versions it is (one file can back several)."""
+
+    content_id: str
+    names: list[str]  # "name@version" of each live version with this content
+    tenants: list[str]  # their tenants' names
+
+
+class EngineHealthOut(BaseModel):
+    state: str  # healthy | degraded | unhealthy
+    reasons: list[str]
+
+
 class EngineOut(BaseModel):
     id: str
     url: str
@@ -142,6 +173,24 @@ class EngineOut(BaseModel):
     slot_adapters: list[str]  # content ids (sha256) in device slots
     host_adapters: list[str]  # content ids cached in host memory
     updated_at: datetime | None
+    slots_total: int | None = None  # device adapter slots (max_loras); null from engines that do not say
+    adapters: list[EngineAdapterOut] = []  # every content id above, named
+    health: EngineHealthOut | None = None
+
+
+class EngineSampleOut(BaseModel):
+    ts: datetime
+    tokens_per_s: float | None  # tokens processed per second since the previous sample (null for the first)
+    running: int
+    waiting: int
+    kv_usage: float
+    slots_used: int
+    slots_total: int | None
+
+
+class EngineHistoryOut(BaseModel):
+    id: str
+    samples: list[EngineSampleOut]  # oldest first
 
 
 def user_out(user: User, tenant_name: str | None) -> UserOut:
@@ -157,13 +206,19 @@ def tenant_out(tenant: Tenant) -> TenantOut:
                      limits=limits_out(tenant.limits))
 
 
-def admin_tenant_out(tenant: Tenant, tokens_this_month: int) -> AdminTenantOut:
-    return AdminTenantOut(**tenant_out(tenant).model_dump(), usage_this_month_tokens=tokens_this_month)
+def admin_tenant_out(tenant: Tenant, tokens_this_month: int, billed_this_month: int, user_count: int) -> AdminTenantOut:
+    return AdminTenantOut(**tenant_out(tenant).model_dump(), usage_this_month_tokens=tokens_this_month,
+                          billed_this_month_microusd=billed_this_month, user_count=user_count)
+
+
+def tenant_user_out(user: User) -> TenantUserOut:
+    return TenantUserOut(id=user.id, email=user.email, role=str(user.role), created_at=user.created_at,
+                         last_login_at=user.last_login_at, disabled=user.disabled_at is not None)
 
 
 def key_out(row: ApiKey) -> KeyOut:
     return KeyOut(id=row.id, name=row.name, prefix=row.prefix, scopes=list(row.scopes), created_at=row.created_at,
-                  last_used_at=row.last_used_at, revoked_at=row.revoked_at)
+                  last_used_at=row.last_used_at, revoked_at=row.revoked_at, expires_at=row.expires_at)
 
 
 def _eval_out(v: AdapterVersion) -> EvalOut | None:
@@ -191,7 +246,7 @@ def version_out(v: AdapterVersion, *, override_by: str | None = None) -> Version
                for r in (v.status_reasons or []) if isinstance(r, dict)]
     return VersionOut(
         id=v.id, adapter_id=v.adapter_id, adapter_name=v.adapter.name, version=v.version, status=str(v.status),
-        progress=ProgressOut(percent=v.progress_percent, step=v.progress_step), reasons=reasons, rank=v.rank,
+        active=v.adapter.active_version_id == v.id and v.adapter.deleted_at is None, progress=ProgressOut(percent=v.progress_percent, step=v.progress_step), reasons=reasons, rank=v.rank,
         target_modules=list(v.target_modules) if v.target_modules is not None else None,
         content_sha256=v.content_sha256, eval=_eval_out(v), override=override, created_at=v.created_at,
         ready_at=v.ready_at,
@@ -220,8 +275,10 @@ def adapter_out(item: AdapterWithVersions, *, override_names: dict[uuid.UUID, st
     )
 
 
-def engine_out(snapshot: dict[str, Any]) -> EngineOut:
+def engine_out(snapshot: dict[str, Any], *, adapters: list[EngineAdapterOut] | None = None,
+               health: EngineHealthOut | None = None) -> EngineOut:
     ts = snapshot.get("ts")
+    slots_total = snapshot.get("slots_total")
     return EngineOut(
         id=str(snapshot["id"]), url=str(snapshot.get("url", "")), base_model=str(snapshot.get("base_model", "")),
         running=int(snapshot.get("running", 0)), waiting=int(snapshot.get("waiting", 0)),
@@ -229,4 +286,5 @@ def engine_out(snapshot: dict[str, Any]) -> EngineOut:
         slot_adapters=[str(a) for a in snapshot.get("slot_adapters", ())],
         host_adapters=[str(a) for a in snapshot.get("host_adapters", ())],
         updated_at=datetime.fromtimestamp(float(ts), tz=timezone.utc) if ts is not None else None,
+        slots_total=int(slots_total) if slots_total is not None else None, adapters=adapters or [], health=health,
     )

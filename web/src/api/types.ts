@@ -36,6 +36,17 @@ export interface Tenant {
 
 export interface AdminTenant extends Tenant {
   usage_this_month_tokens: number;
+  billed_this_month_microusd: number;
+  user_count: number;
+}
+
+export interface TenantUser {
+  id: string;
+  email: string;
+  role: Role;
+  created_at: string;
+  last_login_at: string | null;
+  disabled: boolean;
 }
 
 export interface UsageFields {
@@ -61,7 +72,8 @@ export interface UsageReport {
 
 export interface Meter {
   limit: number | null;
-  used: number;
+  /** null when the gateway cannot read the live counter (Redis down). */
+  used: number | null;
 }
 
 export interface Spend {
@@ -69,6 +81,8 @@ export interface Spend {
   billed_microusd: number;
   projected_microusd: number;
   budget: { monthly_token_budget: number | null; used_tokens: number };
+  /** The token budget at this month's average billed price per token (an estimate; null until there is usage). */
+  budget_in_dollars?: { used_microusd: number; budget_microusd: number | null; microusd_per_million_tokens: number | null };
   meters: {
     tokens_per_min: Meter;
     requests_per_min: Meter;
@@ -85,6 +99,8 @@ export interface ApiKey {
   created_at: string;
   last_used_at: string | null;
   revoked_at: string | null;
+  /** Set on temporary keys only (the playground's). */
+  expires_at?: string | null;
 }
 
 export interface CreatedKey {
@@ -102,10 +118,22 @@ export interface Reason {
   message: string;
 }
 
+/** One check of the quality gate as it reported it (services/adapters/checks.py), passed or not. */
+export interface GateReason {
+  check: string;
+  code: string;
+  passed: boolean;
+  message: string;
+  value: number | null;
+  threshold: number | null;
+}
+
 export interface GateEval {
   passed: boolean;
   metrics: Record<string, unknown>;
   thresholds: Record<string, unknown>;
+  /** Every check of the gate (gates that predate it report none: the page then derives the two old checks). */
+  reasons?: GateReason[];
   examples: unknown[];
 }
 
@@ -121,6 +149,8 @@ export interface AdapterVersion {
   adapter_name: string;
   version: number;
   status: VersionStatus;
+  /** The version the adapter's name routes to now. */
+  active?: boolean;
   progress: { percent: number; step: string } | null;
   reasons: Reason[];
   rank: number | null;
@@ -137,6 +167,11 @@ export interface Adapter {
   name: string;
   active_version: number | null;
   versions: AdapterVersion[];
+}
+
+export interface AdminAdapter extends Adapter {
+  tenant_id: string;
+  tenant_name: string;
 }
 
 export interface UploadAccepted {
@@ -157,6 +192,31 @@ export interface Engine {
   slot_adapters: string[];
   host_adapters: string[];
   updated_at: string;
+  slots_total?: number | null;
+  /** Every content id above, with the adapter versions (name@version) and tenants it is. */
+  adapters?: EngineAdapter[];
+  health?: { state: "healthy" | "degraded" | "unhealthy"; reasons: string[] } | null;
+}
+
+export interface EngineAdapter {
+  content_id: string;
+  names: string[];
+  tenants: string[];
+}
+
+export interface EngineSample {
+  ts: string;
+  tokens_per_s: number | null;
+  running: number;
+  waiting: number;
+  kv_usage: number;
+  slots_used: number;
+  slots_total: number | null;
+}
+
+export interface EngineHistory {
+  id: string;
+  samples: EngineSample[];
 }
 
 export interface FinanceFields {
@@ -185,6 +245,62 @@ export interface FinanceReport {
   rows: FinanceRow[];
   totals: FinanceFields | null;
   unallocated_cost_microusd: number | null;
+  /** Margin after the idle engine time no tenant used (the unallocated cost). */
+  net_margin_microusd?: number;
+}
+
+export interface TrendDay {
+  day: string;
+  requests: number;
+  billed_microusd: number;
+  compute_cost_microusd: number;
+  margin_microusd: number;
+  unallocated_cost_microusd: number;
+  net_margin_microusd: number;
+}
+
+export interface FinanceTrend {
+  period: { from: string; to: string };
+  rows: TrendDay[];
+}
+
+export interface KeyUsageRow extends UsageFields {
+  key_id: string | null;
+  key_name: string | null;
+  key_prefix: string | null;
+  revoked: boolean;
+}
+
+export interface KeyUsageReport {
+  from: string;
+  to: string;
+  rows: KeyUsageRow[];
+  totals: UsageFields;
+}
+
+export interface RequestRecord {
+  request_id: string;
+  model: string;
+  adapter: string | null;
+  status: string;
+  http_status: number;
+  prompt_tokens: number;
+  cached_tokens: number;
+  completion_tokens: number;
+  billed_microusd: number | null;
+  created_at: string;
+  first_token_ms: number | null;
+  finished_ms: number | null;
+}
+
+export interface PlaygroundKey {
+  id: string;
+  name: string;
+  prefix: string;
+  key: string;
+  created_at: string;
+  expires_at: string;
+  limits: { requests_per_min: number | null; concurrent_requests: number | null };
 }
 
 export interface ListResponse<T> {

@@ -1,11 +1,18 @@
 /** From/to day inputs with quick presets; the parent applies a period only when it is valid. */
-import { useState } from "preact/hooks";
+import { useEffect, useState } from "preact/hooks";
 import { periodPresets, periodProblem, type Period } from "../lib/dates";
+
+const same = (a: Period, b: Period) => a.from === b.from && a.to === b.to;
 
 export function PeriodPicker(props: { value: Period; onApply: (p: Period) => void; idPrefix: string; busy?: boolean }) {
   const [draft, setDraft] = useState<Period>(props.value);
   const [problem, setProblem] = useState<string | null>(null);
   const presets = periodPresets(new Date());
+  // The applied period can change from outside (the URL: back/forward); the inputs follow it.
+  useEffect(() => {
+    setDraft(props.value);
+    setProblem(null);
+  }, [props.value.from, props.value.to]);
 
   const apply = (p: Period) => {
     const why = periodProblem(p);
@@ -54,7 +61,9 @@ export function PeriodPicker(props: { value: Period; onApply: (p: Period) => voi
             class="btn btn-small btn-ghost"
             key={p.id}
             data-testid={`period-${p.id}`}
-            aria-pressed={p.period.from === props.value.from && p.period.to === props.value.to}
+            // Pressed only while the inputs still show the preset that is applied: once the dates are edited
+            // (to anything, valid or not) no preset describes what is on screen.
+            aria-pressed={same(p.period, props.value) && same(draft, props.value)}
             onClick={() => {
               setDraft(p.period);
               apply(p.period);

@@ -52,10 +52,12 @@ export function FormError({ error, testid }: { error: Error | null; testid?: str
   );
 }
 
-/** A table inside a keyboard-scrollable region: wide tables scroll sideways on narrow screens, not the page. */
+/** A table inside a keyboard-scrollable region: wide tables scroll sideways on narrow screens, not the page — or,
+ * with the class `stack-on-mobile` (cells carrying `data-label`), turn into one card per row on a phone. */
 export function TableScroll(props: { label: string; testid?: string; class?: string; children: ComponentChildren }) {
+  const stacks = (props.class ?? "").split(" ").includes("stack-on-mobile");
   return (
-    <div class="table-scroll" tabIndex={0} role="region" aria-label={props.label}>
+    <div class={stacks ? "table-scroll stacks" : "table-scroll"} tabIndex={0} role="region" aria-label={props.label}>
       <table data-testid={props.testid} class={props.class}>
         {props.children}
       </table>

@@ -1,6 +1,6 @@
 /** Adapter upload with a real transfer progress bar (XMLHttpRequest upload events). */
 import { useRef, useState } from "preact/hooks";
-import type { AdminTenant, ListResponse, UploadAccepted } from "../api/types";
+import type { AdminTenant, ListResponse, UploadAccepted, VersionStatus } from "../api/types";
 import type { UploadHandle, UploadProgress } from "../api/client";
 import { useApp } from "../context";
 import { formatBytes } from "../lib/format";
@@ -10,7 +10,20 @@ import { ErrorBox, FormError, Loading } from "./Status";
 
 type Phase = "idle" | "sending" | "processing" | "done";
 
-export function UploadForm(props: { scope: "admin" | "tenant"; onAccepted: (a: UploadAccepted, name: string) => void }) {
+/** What the status line says once the transfer is done: the accepted version's status, as the panel below polls it. */
+export function doneMessage(status: VersionStatus | null | undefined): string {
+  if (status === "ready") return "Upload complete; the version passed the quality gate and is ready.";
+  if (status === "rejected") return "Upload complete; the version was rejected (the reasons are below).";
+  if (status === "evaluating") return "Upload complete; the quality gate is evaluating the version.";
+  return "Upload complete; the version is being validated.";
+}
+
+export function UploadForm(props: {
+  scope: "admin" | "tenant";
+  onAccepted: (a: UploadAccepted, name: string) => void;
+  /** The accepted version's current status (the page polls it), so the status line never goes stale. */
+  versionStatus?: VersionStatus | null;
+}) {
   const { client } = useApp();
   const tenants = useApi(
     (s) => (props.scope === "admin" ? client.get<ListResponse<AdminTenant>>("/api/admin/tenants", undefined, s) : Promise.resolve(null)),
@@ -82,7 +95,8 @@ export function UploadForm(props: { scope: "admin" | "tenant"; onAccepted: (a: U
         PEFT format: <code>adapter_config.json</code> + <code>adapter_model.safetensors</code>, loose or in one archive. It is
         validated, then evaluated by the quality gate, before any traffic can reach it.
       </p>
-      <fieldset disabled={busy}>
+      {/* Editing any field clears the previous attempt's error: it described other input. */}
+      <fieldset disabled={busy} onInput={() => setError(null)} onChange={() => setError(null)}>
         <legend class="sr-only">Adapter</legend>
         <div class="grid-2">
           {props.scope === "admin" && (
@@ -200,7 +214,7 @@ export function UploadForm(props: { scope: "admin" | "tenant"; onAccepted: (a: U
           : phase === "processing"
             ? "Upload sent; the server is storing it."
             : phase === "done"
-              ? "Upload complete; validation has started."
+              ? doneMessage(props.versionStatus)
               : ""}
       </p>
       <FormError error={error} testid="upload-error" />

@@ -3,7 +3,7 @@ import { useState } from "preact/hooks";
 import type { AdapterVersion, VersionStatus } from "../api/types";
 import { useApp } from "../context";
 import { formatDateTime, formatMetric, formatPercent, shortHash } from "../lib/format";
-import { gateSummary, type GateRow } from "../lib/gate";
+import { gateSummary, type GateCheck, type GateRow } from "../lib/gate";
 import { useAction } from "../lib/useAction";
 import { Badge, isInFlight } from "./Badge";
 import { FormError, TableScroll } from "./Status";
@@ -163,9 +163,12 @@ function GateResults({ version }: { version: AdapterVersion }) {
             <tbody>
               {summary.checks.map((c) => (
                 <tr key={c.id} data-testid={`gate-check-${c.id}`}>
-                  <th scope="row">{c.label}</th>
-                  <td class="num">{c.id === "margin" ? signed(c.value) : formatPercent(c.value)}</td>
-                  <td class="num">{c.threshold === null ? "—" : `≥ ${c.id === "margin" ? signed(c.threshold) : formatPercent(c.threshold)}`}</td>
+                  <th scope="row" class="wrap">
+                    {c.label}
+                    {c.message && <div class="muted small check-message">{c.message}</div>}
+                  </th>
+                  <td class="num">{checkValue(c, c.value)}</td>
+                  <td class="num">{c.threshold === null ? "—" : `${c.cmp === "max" ? "≤" : "≥"} ${checkValue(c, c.threshold)}`}</td>
                   <td>{c.pass === null ? "—" : <Badge text={c.pass ? "passed" : "failed"} />}</td>
                 </tr>
               ))}
@@ -209,22 +212,92 @@ function GateResults({ version }: { version: AdapterVersion }) {
           )}
         </>
       )}
-      {gate.examples.length > 0 && (
-        <details class="examples">
-          <summary>
-            {gate.examples.length} example{gate.examples.length === 1 ? "" : "s"} from the eval set
-          </summary>
-          <ol data-testid="gate-examples">
-            {gate.examples.slice(0, 20).map((ex, i) => (
-              <li key={i}>
-                <Example value={ex} />
-              </li>
-            ))}
-          </ol>
-        </details>
-      )}
+      {gate.examples.length > 0 && <Examples examples={gate.examples} />}
     </div>
   );
+}
+
+interface SideBySide {
+  prompt: string;
+  expected: string;
+  base: string;
+  adapter: string;
+  base_score: number | null;
+  adapter_score: number | null;
+}
+
+/** The gate's examples in its own shape (services/adapters/gate.py), or null for anything else. */
+function sideBySide(ex: unknown): SideBySide | null {
+  if (!ex || typeof ex !== "object" || Array.isArray(ex)) return null;
+  const e = ex as Record<string, unknown>;
+  const text = (k: string) => (typeof e[k] === "string" ? (e[k] as string) : null);
+  const score = (k: string) => (typeof e[k] === "number" ? (e[k] as number) : null);
+  const [prompt, expected, base, adapter] = [text("prompt"), text("expected"), text("base"), text("adapter")];
+  if (prompt === null || expected === null || base === null || adapter === null) return null;
+  return { prompt, expected, base, adapter, base_score: score("base_score"), adapter_score: score("adapter_score") };
+}
+
+/** Prompt | expected | base | adapter in columns, so a difference is seen at a glance (cards on a phone). */
+function Examples({ examples }: { examples: unknown[] }) {
+  const shown = examples.slice(0, 20);
+  const rows = shown.map(sideBySide);
+  const plain = rows.some((r) => r === null);
+  return (
+    <details class="examples">
+      <summary data-testid="gate-examples-toggle">
+        {examples.length} example{examples.length === 1 ? "" : "s"} from the eval set{plain ? "" : ": prompt, expected, base, adapter"}
+      </summary>
+      {plain ? (
+        <ol data-testid="gate-examples">
+          {shown.map((ex, i) => (
+            <li key={i}>
+              <Example value={ex} />
+            </li>
+          ))}
+        </ol>
+      ) : (
+        <TableScroll label="Examples from the eval set" testid="gate-examples" class="examples-table stack-on-mobile">
+          <thead>
+            <tr>
+              <th scope="col">Prompt</th>
+              <th scope="col">Expected</th>
+              <th scope="col">Base model</th>
+              <th scope="col">Adapter</th>
+            </tr>
+          </thead>
+          <tbody>
+            {(rows as SideBySide[]).map((r, i) => (
+              <tr key={i} data-testid={`gate-example-${i}`}>
+                <td class="wrap" data-label="Prompt">
+                  <pre>{r.prompt}</pre>
+                </td>
+                <td class="wrap" data-label="Expected">
+                  <pre>{r.expected}</pre>
+                </td>
+                <td class="wrap" data-label="Base model">
+                  <pre>{r.base}</pre>
+                  {r.base_score !== null && <span class="muted small">score {formatMetric(r.base_score)}</span>}
+                </td>
+                <td class="wrap" data-label="Adapter">
+                  <pre>{r.adapter}</pre>
+                  {r.adapter_score !== null && (
+                    <span class={r.base_score !== null && r.adapter_score < r.base_score ? "small negative" : "muted small"}>
+                      score {formatMetric(r.adapter_score)}
+                    </span>
+                  )}
+                </td>
+              </tr>
+            ))}
+          </tbody>
+        </TableScroll>
+      )}
+    </details>
+  );
+}
+
+function checkValue(c: GateCheck, v: number | null): string {
+  if (v === null) return "—";
+  return c.format === "signed" ? signed(v) : c.format === "percent" ? formatPercent(v) : formatMetric(v);
 }
 
 function signed(v: number | null): string {

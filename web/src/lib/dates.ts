@@ -66,3 +66,20 @@ export function periodPresets(now: Date): PeriodPreset[] {
     { id: "last-30", label: "Last 30 days", period: lastNDays(now, 30) },
   ];
 }
+
+/** The period a page's URL names (`?from=&to=`), or `fallback` when it names none or an invalid one. */
+export function periodFromSearch(search: string, fallback: Period): Period {
+  const q = new URLSearchParams(search);
+  const from = q.get("from");
+  const to = q.get("to");
+  if (from && to && periodProblem({ from, to }) === null) return { from, to };
+  return fallback;
+}
+
+/** `search` with the period written into it (other parameters kept), as `?…`. */
+export function searchWithPeriod(search: string, period: Period): string {
+  const q = new URLSearchParams(search);
+  q.set("from", period.from);
+  q.set("to", period.to);
+  return `?${q.toString()}`;
+}

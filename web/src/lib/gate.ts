@@ -1,5 +1,5 @@
 /** Lines up the quality gate's metrics with its thresholds so each shows value, bar and verdict. */
-import type { GateEval } from "../api/types";
+import type { GateEval, GateReason } from "../api/types";
 import { formatInt, formatMetric, formatPercent } from "./format";
 
 export interface GateRow {
@@ -45,13 +45,47 @@ function verdict(value: unknown, threshold: unknown, kind: GateRow["kind"]): boo
   return kind === "min" ? value >= threshold : value <= threshold;
 }
 
+/** How a check's number reads: a signed score difference, a share, or a count. */
+export type CheckFormat = "signed" | "percent" | "count";
+
 /** One pass/fail check of the gate, with the number it was decided on. */
 export interface GateCheck {
-  id: "margin" | "fp8";
+  /** The gate's name for it: margin, no_regression, well_formed, logits, fp8_agreement (older runs: margin, fp8). */
+  id: string;
   label: string;
   value: number | null;
   threshold: number | null;
+  /** "min": passes at or above the threshold; "max": at or below. */
+  cmp: "min" | "max" | null;
+  format: CheckFormat;
   pass: boolean | null;
+  /** The gate's own sentence about it, when it wrote one. */
+  message?: string;
+}
+
+const CHECK_INFO: Record<string, { label: (metric: string) => string; cmp: "min" | "max" | null; format: CheckFormat }> = {
+  margin: { label: (m) => `Beats the base model on ${m}`, cmp: "min", format: "signed" },
+  no_regression: { label: (m) => `No regression on base capabilities (${m}: upper bound of the drop)`, cmp: "max", format: "signed" },
+  well_formed: { label: () => "Well-formed outputs (share newly empty, undecodable or looping)", cmp: "max", format: "percent" },
+  logits: { label: () => "Finite, informative logits (degenerate tokens)", cmp: "max", format: "count" },
+  fp8_agreement: { label: () => "Greedy tokens agree, served vs full precision", cmp: "min", format: "percent" },
+};
+
+/** The gate's own list of checks, as rows (unknown checks still show, by name). */
+export function checksFromReasons(reasons: readonly GateReason[], metric: string): GateCheck[] {
+  return reasons.map((r) => {
+    const info = CHECK_INFO[r.check] ?? { label: () => r.check.replace(/_/g, " "), cmp: null, format: "count" as const };
+    return {
+      id: r.check,
+      label: info.label(metric.replace(/_/g, "-")),
+      value: num(r.value),
+      threshold: num(r.threshold),
+      cmp: info.cmp,
+      format: info.format,
+      pass: typeof r.passed === "boolean" ? r.passed : null,
+      message: r.message,
+    };
+  });
 }
 
 /** One similarity score on the eval set: base, adapter (served precision), adapter at full precision. */
@@ -85,8 +119,13 @@ const obj = (v: unknown): Record<string, unknown> | null =>
 
 const CONSUMED = new Set([
   "adapter", "base", "full_precision", "fp8_token_agreement", "fp8_exact_output_match", "served_weight_dtype",
-  "latency", "n_examples", "n_skipped", "eval_set",
+  "latency", "n_examples", "n_skipped", "eval_set", "check", "malformed", "degenerate_logits", "regression",
 ]);
+
+const QUALITY_CHECK: Record<string, string> = {
+  margin: "margin over the base (a task eval set)",
+  no_regression: "no regression (no task eval set: the platform's base-capability set)",
+};
 
 function evalSetLabel(source: unknown): string | null {
   if (typeof source !== "string" || !source) return null;
@@ -122,12 +161,16 @@ export function gateSummary(gate: GateEval): GateSummary {
   const agreement = num(m.fp8_token_agreement);
   const minAgreement = num(t.min_fp8_agreement);
   const dtype = typeof m.served_weight_dtype === "string" ? m.served_weight_dtype : "served";
-  const checks: GateCheck[] = [
-    { id: "margin", label: `Beats the base model on ${metric.replace(/_/g, "-")}`, value: margin, threshold: minMargin, pass: judge(margin, minMargin) },
-    { id: "fp8", label: `Greedy tokens agree, ${dtype} vs full precision`, value: agreement, threshold: minAgreement, pass: judge(agreement, minAgreement) },
-  ];
+  // The gate reports every check it made; older runs reported none, and their two checks are derived here.
+  const checks: GateCheck[] = gate.reasons?.length
+    ? checksFromReasons(gate.reasons, metric)
+    : [
+        { id: "margin", label: `Beats the base model on ${metric.replace(/_/g, "-")}`, value: margin, threshold: minMargin, cmp: "min", format: "signed", pass: judge(margin, minMargin) },
+        { id: "fp8", label: `Greedy tokens agree, ${dtype} vs full precision`, value: agreement, threshold: minAgreement, cmp: "min", format: "percent", pass: judge(agreement, minAgreement) },
+      ];
 
   const facts: GateFact[] = [];
+  if (typeof m.check === "string") facts.push({ label: "Quality check", value: QUALITY_CHECK[m.check] ?? m.check });
   const source = evalSetLabel(m.eval_set);
   const n = num(m.n_examples);
   if (n !== null) {
@@ -143,6 +186,22 @@ export function gateSummary(gate: GateEval): GateSummary {
     if (a !== null && b !== null) facts.push({ label: "Latency per token (base → adapter)", value: `${formatMetric(b)} ms → ${formatMetric(a)} ms` });
     const overhead = num(lat.adapter_overhead);
     if (overhead !== null) facts.push({ label: "Adapter overhead", value: `×${formatMetric(overhead)}` });
+  }
+  const reg = obj(m.regression);
+  if (reg && num(reg.mean_drop) !== null && num(reg.upper_bound) !== null) {
+    const pct = num(reg.confidence) !== null ? `${Math.round(100 * num(reg.confidence)!)}% ` : "";
+    facts.push({
+      label: "Paired drop vs the base",
+      value: `mean ${formatMetric(reg.mean_drop)}, ${pct}upper bound ${formatMetric(reg.upper_bound)} over ${formatInt(num(reg.n))} items (${formatInt(num(reg.worse))} worse, ${formatInt(num(reg.better))} better, ${formatInt(num(reg.tied))} unchanged)`,
+    });
+  }
+  const bad = obj(m.malformed);
+  if (bad && num(bad.count) !== null) {
+    facts.push({ label: "Malformed outputs (where the base's are fine)", value: `${formatInt(num(bad.count))}${n !== null ? ` of ${formatInt(n)}` : ""}` });
+  }
+  const logits = obj(m.degenerate_logits);
+  if (logits && num(logits.tokens) !== null) {
+    facts.push({ label: "Degenerate logits", value: `${formatInt(num(logits.tokens))} of ${formatInt(num(logits.checked))} tokens` });
   }
   for (const [k, v] of Object.entries(m)) {
     if (!CONSUMED.has(k)) facts.push({ label: k.replace(/_/g, " "), value: formatMetric(v) });

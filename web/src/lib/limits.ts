@@ -1,17 +1,26 @@
 /** Tenant limits as form text: blank means unlimited (null on the wire), otherwise a whole number >= 0. */
 import type { Limits } from "../api/types";
 
-export const LIMIT_FIELDS: { key: keyof Limits; label: string; testid: string }[] = [
-  { key: "tokens_per_min", label: "Tokens per minute", testid: "limit-tokens-per-min" },
-  { key: "requests_per_min", label: "Requests per minute", testid: "limit-requests-per-min" },
-  { key: "concurrent_requests", label: "Concurrent requests", testid: "limit-concurrent" },
-  { key: "monthly_token_budget", label: "Monthly token budget", testid: "limit-monthly-tokens" },
+export const LIMIT_FIELDS: { key: keyof Limits; label: string; testid: string; unit: string }[] = [
+  { key: "tokens_per_min", label: "Tokens per minute", testid: "limit-tokens-per-min", unit: "tokens a minute" },
+  { key: "requests_per_min", label: "Requests per minute", testid: "limit-requests-per-min", unit: "requests a minute" },
+  { key: "concurrent_requests", label: "Concurrent requests", testid: "limit-concurrent", unit: "requests at once" },
+  { key: "monthly_token_budget", label: "Monthly token budget", testid: "limit-monthly-tokens", unit: "tokens a UTC month" },
 ];
+
+const grouped = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
+
+/** A limit as typed, shown with thousands separators when it is a whole number; anything else is left as it is
+ * (parseLimits says what is wrong with it). */
+export function formatLimitText(text: string): string {
+  const raw = text.trim().replace(/[,_\s]/g, "");
+  return /^\d+$/.test(raw) && Number.isSafeInteger(Number(raw)) ? grouped.format(Number(raw)) : text;
+}
 
 export type LimitsText = Record<keyof Limits, string>;
 
 export function limitsToText(l: Limits | null | undefined): LimitsText {
-  const t = (v: number | null | undefined) => (v === null || v === undefined ? "" : String(v));
+  const t = (v: number | null | undefined) => (v === null || v === undefined ? "" : grouped.format(v));
   return {
     tokens_per_min: t(l?.tokens_per_min),
     requests_per_min: t(l?.requests_per_min),

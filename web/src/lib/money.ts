@@ -64,3 +64,27 @@ export function marginRatio(margin: Micro, billed: Micro): number | null {
   // Scale in integers first so the division is the only rounding step.
   return Number((toMicro(margin) * 1_000_000n) / b) / 1_000_000;
 }
+
+/**
+ * How many decimals a money column prints so that all its figures are exact and line up: the most any value
+ * needs (micro-USD have six), never fewer than cents.
+ */
+export function columnDecimals(values: Iterable<Micro>): number {
+  let decimals = 2;
+  for (const v of values) {
+    let frac = toMicro(v) % MICRO_PER_USD;
+    if (frac < 0n) frac = -frac;
+    let need = 6;
+    while (need > decimals && frac % 10n === 0n) {
+      frac /= 10n;
+      need--;
+    }
+    if (frac !== 0n) decimals = Math.max(decimals, need);
+  }
+  return decimals;
+}
+
+/** `formatUsd` with exactly `decimals` decimals (a column's fixed precision). */
+export function formatUsdFixed(value: Micro, decimals: number): string {
+  return formatUsd(value, { minDecimals: decimals, maxDecimals: decimals });
+}

@@ -11,6 +11,7 @@ const TENANT_NAV: NavItem[] = [
   { path: "/usage", label: "Usage", testid: "nav-usage" },
   { path: "/keys", label: "API keys", testid: "nav-keys" },
   { path: "/adapters", label: "Adapters", testid: "nav-adapters" },
+  { path: "/playground", label: "Playground", testid: "nav-playground" },
 ];
 
 const ADMIN_NAV: NavItem[] = [
@@ -42,8 +43,8 @@ export const isTenantRole = (role: Role): boolean => role === "tenant_member" ||
 
 /** Route prefixes each role may open; anything else sends the user to their home page. */
 const ACCESS: Record<Role, string[]> = {
-  tenant_member: ["/usage", "/keys", "/adapters"],
-  tenant_admin: ["/usage", "/keys", "/adapters"],
+  tenant_member: ["/usage", "/keys", "/adapters", "/playground"],
+  tenant_admin: ["/usage", "/keys", "/adapters", "/playground"],
   platform_admin: ["/admin", "/finance"],
   finance: ["/finance"],
 };

@@ -136,10 +136,18 @@ function NewKeySecret({ created, onDone }: { created: CreatedKey; onDone: () => 
   );
 }
 
+/** A key's state as a word: revoked, expired (temporary keys), or active. */
+function keyState(k: ApiKey, now: Date): "revoked" | "expired" | "active" {
+  if (k.revoked_at) return "revoked";
+  if (k.expires_at && new Date(k.expires_at).getTime() <= now.getTime()) return "expired";
+  return "active";
+}
+
 function KeyTable({ keys, canRevoke, onRevoked }: { keys: ApiKey[]; canRevoke: boolean; onRevoked: (k: ApiKey) => void }) {
   const now = new Date();
   return (
-    <TableScroll label="API keys" testid="keys-table">
+    // On a phone every key is a card (label: value lines), not a table to scroll sideways.
+    <TableScroll label="API keys" testid="keys-table" class="stack-on-mobile">
       <thead>
         <tr>
           <th scope="col">Name</th>
@@ -156,19 +164,38 @@ function KeyTable({ keys, canRevoke, onRevoked }: { keys: ApiKey[]; canRevoke: b
         </tr>
       </thead>
       <tbody>
-        {keys.map((k) => (
-          <tr key={k.id} data-testid={`key-row-${k.id}`} class={k.revoked_at ? "row-muted" : undefined}>
-            <th scope="row">{k.name}</th>
-            <td class="mono">{k.prefix}…</td>
-            <td>{k.scopes.length ? k.scopes.join(", ") : "—"}</td>
-            <td title={formatDateTime(k.created_at)}>{formatDateTime(k.created_at)}</td>
-            <td title={formatDateTime(k.last_used_at)} data-testid={`key-last-used-${k.id}`}>
-              {relativeTime(k.last_used_at, now)}
-            </td>
-            <td>{k.revoked_at ? <Badge text="revoked" /> : <Badge text="active" />}</td>
-            {canRevoke && <td>{!k.revoked_at && <RevokeButton apiKey={k} onRevoked={onRevoked} />}</td>}
-          </tr>
-        ))}
+        {keys.map((k) => {
+          const state = keyState(k, now);
+          return (
+            <tr key={k.id} data-testid={`key-row-${k.id}`} class={state !== "active" ? "row-muted" : undefined}>
+              <th scope="row" class="wrap">
+                {k.name}
+              </th>
+              <td class="mono" data-label="Key">
+                {k.prefix}…
+              </td>
+              <td data-label="Scopes">{k.scopes.length ? k.scopes.join(", ") : "—"}</td>
+              <td data-label="Created">{formatDateTime(k.created_at)}</td>
+              <td title={formatDateTime(k.last_used_at)} data-testid={`key-last-used-${k.id}`} data-label="Last used">
+                {relativeTime(k.last_used_at, now)}
+              </td>
+              <td data-label="Status">
+                <Badge text={state} />
+                {k.expires_at && state === "active" && (
+                  <span class="muted small" data-testid={`key-expires-${k.id}`}>
+                    {" "}
+                    temporary, until {formatDateTime(k.expires_at).slice(11)}
+                  </span>
+                )}
+              </td>
+              {canRevoke && (
+                <td data-label="Actions" class="actions-cell">
+                  {state === "active" && <RevokeButton apiKey={k} onRevoked={onRevoked} />}
+                </td>
+              )}
+            </tr>
+          );
+        })}
       </tbody>
     </TableScroll>
   );

@@ -1,13 +1,14 @@
 /** Platform admin: tenants with plan, limits and this month's usage; create, suspend/activate, edit, add users. */
 import { Fragment } from "preact";
 import { useState } from "preact/hooks";
-import type { AdminTenant, ListResponse, Role, Tenant, User } from "../api/types";
+import type { AdminTenant, ListResponse, Role, Tenant, TenantUser, User } from "../api/types";
 import { Link } from "../components/Link";
 import { Badge } from "../components/Badge";
 import { Empty, ErrorBox, FormError, LiveText, Loading, TableScroll } from "../components/Status";
 import { useApp } from "../context";
-import { formatInt, formatLimit } from "../lib/format";
-import { LIMIT_FIELDS, givenLimits, limitsToText, parseLimits, slugify, type LimitsText } from "../lib/limits";
+import { formatDateTime, formatInt, formatLimit, relativeTime } from "../lib/format";
+import { LIMIT_FIELDS, formatLimitText, givenLimits, limitsToText, parseLimits, slugify, type LimitsText } from "../lib/limits";
+import { formatUsd } from "../lib/money";
 import { useAction } from "../lib/useAction";
 import { useApi } from "../lib/useApi";
 
@@ -15,6 +16,7 @@ export function TenantsPage() {
   const { client } = useApp();
   const tenants = useApi((s) => client.get<ListResponse<AdminTenant>>("/api/admin/tenants", undefined, s), []);
   const [announce, setAnnounce] = useState("");
+  const [query, setQuery] = useState("");
   const changed = (msg: string) => {
     setAnnounce(msg);
     tenants.reload();
@@ -38,11 +40,33 @@ export function TenantsPage() {
             <p>No tenants yet. Create the first one above.</p>
           </Empty>
         ) : tenants.data ? (
-          <TenantTable tenants={tenants.data.data} onChanged={changed} />
+          <>
+            <div class="filters" role="search" aria-label="Find tenants">
+              <div class="field grow">
+                <label for="tenants-search">Search by name or slug</label>
+                <input
+                  id="tenants-search"
+                  type="search"
+                  value={query}
+                  onInput={(e) => setQuery((e.target as HTMLInputElement).value)}
+                  data-testid="tenants-search"
+                />
+              </div>
+            </div>
+            <TenantTable tenants={matching(tenants.data.data, query)} onChanged={changed} />
+            <p class="muted small" aria-live="polite" data-testid="tenants-count">
+              {matching(tenants.data.data, query).length} of {tenants.data.data.length} tenants
+            </p>
+          </>
         ) : null}
       </section>
     </>
   );
+}
+
+function matching(tenants: AdminTenant[], query: string): AdminTenant[] {
+  const q = query.trim().toLowerCase();
+  return q ? tenants.filter((t) => t.name.toLowerCase().includes(q) || t.slug.toLowerCase().includes(q)) : tenants;
 }
 
 function LimitInputs(props: { idPrefix: string; value: LimitsText; onChange: (v: LimitsText) => void; blank: "unlimited" | "default" }) {
@@ -58,9 +82,15 @@ function LimitInputs(props: { idPrefix: string; value: LimitsText; onChange: (v:
               inputMode="numeric"
               placeholder={props.blank}
               value={props.value[f.key]}
+              aria-describedby={`${props.idPrefix}-${f.testid}-hint`}
               onInput={(e) => props.onChange({ ...props.value, [f.key]: (e.target as HTMLInputElement).value })}
+              // Grouped as thousands once typed: 1000000 reads as 1,000,000.
+              onBlur={(e) => props.onChange({ ...props.value, [f.key]: formatLimitText((e.target as HTMLInputElement).value) })}
               data-testid={`${props.idPrefix}-${f.testid}`}
             />
+            <small id={`${props.idPrefix}-${f.testid}-hint`} class="muted">
+              {f.unit}
+            </small>
           </div>
         ))}
       </div>
@@ -161,11 +191,13 @@ function limitsSummary(t: Tenant): string {
   return `${formatLimit(t.limits.tokens_per_min)} tok/min · ${formatLimit(t.limits.requests_per_min)} req/min · ${formatLimit(t.limits.concurrent_requests)} concurrent · ${formatLimit(t.limits.monthly_token_budget)} tok/month`;
 }
 
+type PanelKind = "edit" | "user" | "status" | "users";
+
 function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged: (msg: string) => void }) {
-  const [panel, setPanel] = useState<{ id: string; kind: "edit" | "user" | "status" } | null>(null);
-  const toggle = (id: string, kind: "edit" | "user" | "status") => setPanel(panel && panel.id === id && panel.kind === kind ? null : { id, kind });
+  const [panel, setPanel] = useState<{ id: string; kind: PanelKind } | null>(null);
+  const toggle = (id: string, kind: PanelKind) => setPanel(panel && panel.id === id && panel.kind === kind ? null : { id, kind });
   return (
-    <TableScroll label="Tenants" testid="tenants-table">
+    <TableScroll label="Tenants" testid="tenants-table" class="stack-on-mobile">
       <thead>
         <tr>
           <th scope="col">Tenant</th>
@@ -173,6 +205,8 @@ function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged
           <th scope="col">Status</th>
           <th scope="col">Limits</th>
           <th scope="col" class="num">Tokens this month</th>
+          <th scope="col" class="num">Billed this month</th>
+          <th scope="col" class="num">Users</th>
           <th scope="col">
             <span class="sr-only">Actions</span>
           </th>
@@ -186,12 +220,27 @@ function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged
                 {t.name}
                 <div class="muted small mono">{t.slug}</div>
               </th>
-              <td data-testid={`tenant-plan-${t.slug}`}>{t.plan}</td>
-              <td>
+              <td data-label="Plan" data-testid={`tenant-plan-${t.slug}`}>{t.plan}</td>
+              <td data-label="Status">
                 <Badge text={t.status} testid={`tenant-status-${t.slug}`} />
               </td>
-              <td class="small limits-cell wrap">{limitsSummary(t)}</td>
-              <td class="num">{formatInt(t.usage_this_month_tokens)}</td>
+              <td class="small limits-cell wrap" data-label="Limits">{limitsSummary(t)}</td>
+              <td class="num" data-label="Tokens this month">{formatInt(t.usage_this_month_tokens)}</td>
+              <td class="num" data-label="Billed this month" data-testid={`tenant-billed-${t.slug}`} data-microusd={String(t.billed_this_month_microusd)}>
+                {formatUsd(t.billed_this_month_microusd)}
+              </td>
+              <td class="num" data-label="Users">
+                <button
+                  type="button"
+                  class="link-btn"
+                  aria-expanded={panel?.id === t.id && panel.kind === "users"}
+                  onClick={() => toggle(t.id, "users")}
+                  data-testid={`tenant-users-${t.slug}`}
+                >
+                  {formatInt(t.user_count)}
+                  <span class="sr-only"> users of {t.name}: {panel?.id === t.id && panel.kind === "users" ? "hide" : "show"}</span>
+                </button>
+              </td>
               <td class="actions">
                 <Link to={`/admin/tenants/${encodeURIComponent(t.id)}/adapters`} class="btn btn-small" testid={`tenant-adapters-${t.slug}`}>
                   Adapters<span class="sr-only"> of {t.name}</span>
@@ -216,7 +265,8 @@ function TenantTable({ tenants, onChanged }: { tenants: AdminTenant[]; onChanged
             </tr>
             {panel?.id === t.id && (
               <tr class="panel-row">
-                <td colSpan={6} class="wrap">
+                <td colSpan={8} class="wrap">
+                  {panel.kind === "users" && <UserList tenant={t} />}
                   {panel.kind === "edit" && <EditTenant tenant={t} onDone={(msg) => { setPanel(null); if (msg) onChanged(msg); }} />}
                   {panel.kind === "user" && <AddUser tenant={t} onDone={(msg) => { setPanel(null); if (msg) onChanged(msg); }} />}
                   {panel.kind === "status" && <ToggleStatus tenant={t} onDone={(msg) => { setPanel(null); if (msg) onChanged(msg); }} />}
@@ -296,6 +346,44 @@ function ToggleStatus({ tenant, onDone }: { tenant: Tenant; onDone: (msg: string
         </button>
       </div>
       <FormError error={action.error} testid="tenant-status-error" />
+    </div>
+  );
+}
+
+/** The people who sign in for one tenant. */
+function UserList({ tenant }: { tenant: AdminTenant }) {
+  const { client } = useApp();
+  const users = useApi((s) => client.get<ListResponse<TenantUser>>(`/api/admin/tenants/${encodeURIComponent(tenant.id)}/users`, undefined, s), [tenant.id]);
+  const now = new Date();
+  return (
+    <div class="panel" data-testid="tenant-users-panel">
+      <h3 class="h4">Users of {tenant.name}</h3>
+      {users.loading ? (
+        <Loading label="Loading users…" />
+      ) : users.error ? (
+        <ErrorBox error={users.error} onRetry={users.reload} />
+      ) : users.data && users.data.data.length === 0 ? (
+        <p class="muted">No users yet: add one with “Add user”.</p>
+      ) : (
+        <ul class="plain-list user-list" data-testid="tenant-users-list">
+          {users.data?.data.map((u) => (
+            <li key={u.id} data-testid={`tenant-user-${u.email}`}>
+              <strong>{u.email}</strong> <Badge text={u.role.replace("tenant_", "")} tone="info" />
+              {u.disabled && (
+                <>
+                  {" "}
+                  <Badge text="disabled" tone="bad" />
+                </>
+              )}
+              <span class="muted small">
+                {" "}
+                · added {formatDateTime(u.created_at).slice(0, 10)} · last sign-in{" "}
+                <span title={formatDateTime(u.last_login_at)}>{relativeTime(u.last_login_at, now)}</span>
+              </span>
+            </li>
+          ))}
+        </ul>
+      )}
     </div>
   );
 }

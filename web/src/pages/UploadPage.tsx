@@ -1,6 +1,6 @@
 /** Upload an adapter (admins for any tenant, tenant admins for their own) and watch it go through the gate. */
 import { useState } from "preact/hooks";
-import type { UploadAccepted } from "../api/types";
+import type { UploadAccepted, VersionStatus } from "../api/types";
 import { Link } from "../components/Link";
 import { UploadForm } from "../components/UploadForm";
 import { useApp } from "../context";
@@ -31,6 +31,7 @@ export function UploadPage({ scope }: { scope: "admin" | "tenant" }) {
   const { user } = useApp();
   const [recent, setRecent] = useState<RecentUpload[]>(loadRecent);
   const [current, setCurrent] = useState<string | null>(null);
+  const [currentStatus, setCurrentStatus] = useState<VersionStatus | null>(null);
   const [lookup, setLookup] = useState("");
   const versionsBase = scope === "admin" ? "/admin/versions" : "/adapters/versions";
 
@@ -42,6 +43,7 @@ export function UploadPage({ scope }: { scope: "admin" | "tenant" }) {
     } catch {
       // storage full or disabled: the list just is not remembered
     }
+    setCurrentStatus(a.status);
     setCurrent(a.version_id);
   };
 
@@ -56,11 +58,11 @@ export function UploadPage({ scope }: { scope: "admin" | "tenant" }) {
         <h1>Upload adapter</h1>
         {scope === "tenant" && user.tenant_name && <p class="muted">For {user.tenant_name}</p>}
       </header>
-      <UploadForm scope={scope} onAccepted={onAccepted} />
+      <UploadForm scope={scope} onAccepted={onAccepted} versionStatus={currentStatus} />
       {current && (
         <section class="section" aria-labelledby="current-upload-title">
           <h2 id="current-upload-title">Status</h2>
-          <VersionStatusPanel versionId={current} />
+          <VersionStatusPanel versionId={current} onVersion={(v) => v.id === current && setCurrentStatus(v.status)} />
           <p>
             <Link to={`${versionsBase}/${encodeURIComponent(current)}`} testid="version-link">
               Open this version's page
