@@ -22,18 +22,10 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from services.adapters.config import ArchiveLimits
+from services.common.adapter_files import ADAPTER_FILES, classify, sniff_content
 from services.common.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz", ".dill")
-CODE_SUFFIXES = (
-    ".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll", ".exe", ".sh", ".bash", ".zsh", ".fish",
-    ".bat", ".cmd", ".ps1", ".js", ".mjs", ".ts", ".rb", ".pl", ".php", ".lua", ".jar", ".class", ".wasm",
-    ".ipynb", ".whl", ".egg", ".elf", ".o", ".a", ".app", ".msi", ".vbs", ".r", ".jl", ".go", ".c", ".cc", ".cpp",
-)
-# Harmless files people ship next to an adapter (PEFT's model card, tokenizer copies): skipped, never stored.
-IGNORED_NAMES = ("readme", "license", "licence", "notice", ".gitattributes", ".gitignore", ".ds_store")
-IGNORED_SUFFIXES = (".md", ".txt", ".json", ".jinja", ".model")
-_KEPT = (CONFIG_FILE, WEIGHTS_FILE)
+_KEPT = ADAPTER_FILES
 _CHUNK = 1 << 20
 
 
@@ -73,24 +65,6 @@ def unpack(upload: Path, sandbox: Path, limits: ArchiveLimits) -> Unpacked:
     return Unpacked(Path(sandbox), kind, tuple(writer.ignored), writer.total)
 
 
-def classify(name: str) -> str:
-    """'keep' (one of the two PEFT files), 'ignore', or raise the refusal code for this member name."""
-    base = PurePosixPath(name).name
-    lower = base.lower()
-    if base in _KEPT:
-        return "keep"
-    if lower.endswith(PICKLE_SUFFIXES) or lower in ("pytorch_model", "adapter_model"):
-        raise AdapterFormatError("pickle_file", f"{name!r} looks like a pickle checkpoint; only {WEIGHTS_FILE} (safetensors) is accepted")
-    if lower.endswith(CODE_SUFFIXES) or "." not in lower.lstrip("."):
-        if lower not in IGNORED_NAMES and not lower.startswith(("license", "licence", "readme")):
-            raise AdapterFormatError("code_file", f"{name!r} looks like code or an executable; adapters are data only")
-    if lower.endswith(".safetensors"):
-        raise AdapterFormatError("unexpected_file", f"{name!r}: the weights must be in a file named {WEIGHTS_FILE}")
-    if lower in IGNORED_NAMES or lower.startswith(("license", "licence", "readme", "._")) or lower.endswith(IGNORED_SUFFIXES):
-        return "ignore"
-    raise AdapterFormatError("unexpected_file", f"{name!r} is not part of a PEFT adapter ({CONFIG_FILE} + {WEIGHTS_FILE})")
-
-
 def check_member_name(name: str) -> None:
     """Refuse names that would point outside the archive's own tree, whatever we do with the member."""
     if not name or "\x00" in name or len(name) > 4096:
@@ -100,19 +74,6 @@ def check_member_name(name: str) -> None:
         raise AdapterFormatError("archive_path_absolute", f"archive member {name!r} has an absolute path")
     if ".." in parts:
         raise AdapterFormatError("archive_path_traversal", f"archive member {name!r} points outside the archive ('..')")
-
-
-def sniff_content(name: str, head: bytes) -> None:
-    """Content checks on a kept file's first (16) bytes: a pickle or an executable under an innocent name.
-    A safetensors file is an 8-byte length then '{' (the length's own bytes may look like anything)."""
-    if head[8:9] == b"{" or head[:1] == b"{":
-        return
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        raise AdapterFormatError("pickle_file", f"{name!r} is a pickle, not safetensors")
-    if head[:4] == b"PK\x03\x04":
-        raise AdapterFormatError("pickle_file", f"{name!r} is a zip (a torch.save checkpoint?), not safetensors")
-    if head[:4] == b"\x7fELF" or head[:2] in (b"#!", b"MZ"):
-        raise AdapterFormatError("code_file", f"{name!r} is an executable")
 
 
 class _Writer:

@@ -10,6 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from services.common.adapter_files import base_name_matcher
 from services.common.lora_format import BaseDims
 from services.common.models import BaseModelRecord
 
@@ -28,10 +29,7 @@ class BaseModel:
 
     def accepts(self, name_or_path: str | None) -> bool:
         """True when an adapter's `base_model_name_or_path` names this model (or says nothing)."""
-        if not name_or_path:
-            return True
-        value = str(name_or_path).strip().rstrip("/").lower()
-        return value in self.accepted_names or value.rsplit("/", 1)[-1] in self.accepted_names
+        return base_name_matcher(self.accepted_names)(name_or_path)
 
 
 def base_model_dir(settings) -> Path:

@@ -374,18 +374,6 @@ def check_tensors(header: dict[str, TensorInfo], cfg: AdapterConfig, dims: BaseD
     )
 
 
-def check_data_coverage(header: dict[str, TensorInfo], data_len: int) -> None:
-    """The tensors tile the data region exactly: no bytes hidden between, before or after them."""
-    covered = sorted((info.start, info.end) for info in header.values())
-    cursor = 0
-    for start, end in covered:
-        if start != cursor:
-            raise AdapterFormatError("bad_offsets", f"the data region has {start - cursor} bytes no tensor describes at offset {cursor}")
-        cursor = end
-    if cursor != data_len:
-        raise AdapterFormatError("bad_offsets", f"the data region has {data_len - cursor} trailing bytes no tensor describes")
-
-
 # Exponent-all-ones (NaN or Inf) masks per float dtype, read as little-endian unsigned integers.
 _NONFINITE_MASKS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),
                     "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}

@@ -71,6 +71,7 @@ def serve(
                         cpu_kernel=lora_cpu_kernel),
         engine_id=engine_id,
         adapter_stores=(settings.storage_url,),
+        adapter_base_names=_base_names(model, served_model_name),
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
     )
@@ -159,6 +160,15 @@ def _check_kv_gate(home: Path, model: Path, dtype: str, weight_dtype: str, kv_dt
 
     logging.getLogger("mplex.engine").info("fp8 KV gate verdict: agreement %.4f (>= %.4f) measured %s",
                                            verdict["agreement"], verdict["min_agreement"], verdict.get("measured_at"))
+
+
+def _base_names(model: Path, served_name: str | None) -> tuple[str, ...]:
+    """The names the upload validator accepts for this base (services.adapters.base_model): its served name,
+    its directory (path or last component) and the name its config.json records."""
+    import json
+
+    raw = json.loads((Path(model) / "config.json").read_text())
+    return tuple(n for n in (served_name, str(model), str(Path(model).resolve()), raw.get("_name_or_path")) if n)
 
 
 def _failpoints(specs: list[str], env: str) -> tuple[tuple[str, int], ...]:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from services.common.lora_format import BaseDims
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -72,6 +74,11 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+
+    def base_dims(self) -> BaseDims:
+        """The dimensions adapter files are checked against (the same rule object as upload validation)."""
+        return BaseDims(self.hidden_size, self.intermediate_size, self.num_layers, self.num_heads, self.num_kv_heads,
+                        self.head_dim)
 
     @property
     def q_size(self) -> int:
@@ -298,6 +305,9 @@ class EngineConfig:
     # Object stores (settings.storage_url) a request may name adapter files in (server: lora/sources.py);
     # with none, only the adapter cache. Engines built in-process take AdapterRefs without this check.
     adapter_stores: tuple[str, ...] = ()
+    # The names an adapter's base_model_name_or_path may give for this model, as the upload validator
+    # accepts them (services.common.adapter_files.base_name_matcher); None: not checked (offline use).
+    adapter_base_names: tuple[str, ...] | None = None
     # CPU only: decode attention by "native" = the C paged kernel (kernels/attention_native.py, fp32),
     # "torch" = gather + SDPA, "auto" = native when it builds here and the dtype and shapes fit, else torch.
     cpu_attention: str = "auto"

@@ -104,7 +104,7 @@ class LLMEngine:
 
             self.adapters = AdapterManager(
                 mcfg, config.lora, dtype=config.torch_dtype, device=config.device,
-                cache_dir=config.adapter_cache_dir, wake=self.wake,
+                cache_dir=config.adapter_cache_dir, wake=self.wake, base_names=config.adapter_base_names,
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters,
                                    preemption=self.preemption, share_prompts=config.cache.enable_prompt_sharing)
@@ -575,3 +575,4 @@ def _kernel_name(kernel) -> str:
 
 def adapter_error(exc: AdapterFormatError) -> InvalidRequest:
     return InvalidRequest(f"adapter refused: {exc.message}", "model", exc.code, status=400)
+

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from services.common.lora_format import BaseDims
 from services.modelkit.corpus import tokenizer_corpus
 from services.modelkit.tokenizer import save_hf_tokenizer, special_ids, train_tokenizer
 
@@ -98,15 +99,6 @@ def _save_random(cfg: Any, out: Path, *, seed: int, init_std: float) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def _module_dims(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    h, i = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    hd = int(cfg.get("head_dim") or h // heads)
-    return {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-
 def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
     # PEFT's rule: a pattern applies when it matches a dotted suffix of the module's full name.
     for pattern, value in patterns.items():
@@ -140,7 +132,7 @@ def make_random_adapter(
     if unknown or not target_modules:
         raise ValueError(f"target_modules must be a non-empty subset of {ALL_MODULES}, got {list(target_modules)}")
     cfg = json.loads((Path(base_dir) / "config.json").read_text())
-    dims = _module_dims(cfg)
+    dims = BaseDims.from_hf_config(cfg).module_dims()
     n_layers = int(cfg["num_hidden_layers"])
     rank_pattern = dict(rank_pattern or {})
     alpha_pattern = dict(alpha_pattern or {})

@@ -26,7 +26,7 @@ from services.engine.kernels import sgmv_native
 from services.engine.lora.cpu_slots import CpuSlotStacks
 from services.engine.lora.native_slots import NativeSlotTable
 from services.engine.lora.sources import is_local
-from services.engine.lora.weights import LoraWeights, module_dims, read_lora, to_weights
+from services.engine.lora.weights import LoraWeights, read_lora, to_weights
 from services.engine.sequence import AdapterRef, Sequence
 
 log = logging.getLogger("mplex.engine.lora")
@@ -83,15 +83,17 @@ class AdapterManager:
         device: str,
         cache_dir: Path | None = None,
         wake: threading.Event | None = None,
+        base_names: tuple[str, ...] | None = None,
     ):
         self.model = model
+        self.base_names = base_names  # what an adapter may say its base is (None: not checked)
         self.config = config
         self.dtype = dtype
         self.device = device
         self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="mplex-adapters-"))
         self.wake = wake  # set when a load finishes, so an idle step loop wakes up
         n, r = config.max_loras, config.max_lora_rank
-        dims = module_dims(model)
+        dims = model.base_dims().module_dims()
         self.fused = device == "cpu"
         self.slices = group_slices(dims)
         # CPU: native per-slot buffers or torch rank-class stacks per group. CUDA: stacks[layer][module],
@@ -250,7 +252,7 @@ class AdapterManager:
     def _read(self, ref: AdapterRef) -> LoraWeights:
         path = self._fetch(ref)
         arrays = read_lora(path, self.model, max_rank=self.config.max_lora_rank, name=ref.name,
-                           expected_content_id=ref.content_id)
+                           expected_content_id=ref.content_id, base_names=self.base_names)
         if isinstance(self.cpu, NativeSlotTable):  # laid out for a slot here, off the step loop
             return self.cpu.pack(arrays)
         return to_weights(arrays, self.dtype)

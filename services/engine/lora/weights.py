@@ -11,27 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.common.adapter_files import base_name_matcher, check_config_file, check_dir, check_weights
 from services.common.lora_format import (
-    FLOAT_DTYPES,
     SUPPORTED_MODULES,
     TensorInfo,
-    WEIGHTS_FILE,
     AdapterFormatError,
     content_id_of,
     parse_safetensors_header,
     parse_tensor_key,
-    read_config,
 )
 from services.engine.config import ModelConfig
-
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-
-
-def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every LoRA-capable projection."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +84,11 @@ def load_lora(
     dtype: torch.dtype,
     name: str = "",
     expected_content_id: str | None = None,
+    base_names: tuple[str, ...] | None = None,
 ) -> LoraWeights:
     """The adapter as per-module torch tensors (B scaled), for the torch and CUDA paths."""
     return to_weights(read_lora(adapter_dir, model, max_rank=max_rank, name=name,
-                                expected_content_id=expected_content_id), dtype)
+                                expected_content_id=expected_content_id, base_names=base_names), dtype)
 
 
 def to_weights(arrays: LoraArrays, dtype: torch.dtype) -> LoraWeights:
@@ -119,49 +109,31 @@ def read_lora(
     max_rank: int,
     name: str = "",
     expected_content_id: str | None = None,
+    base_names: tuple[str, ...] | None = None,
 ) -> LoraArrays:
     """Read and check an adapter directory (one read of the weights file: hashed for the content id,
-    its header validated, the tensors viewed in place). Everything wrong is an AdapterFormatError."""
-    adapter_dir = Path(adapter_dir)
-    if not adapter_dir.is_dir():
-        raise AdapterFormatError("missing_file", f"adapter directory {adapter_dir} does not exist")
-    weights = adapter_dir / WEIGHTS_FILE
-    if not weights.is_file():
-        pickles = [p.name for p in adapter_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES]
-        if pickles:
-            raise AdapterFormatError("pickle_file", f"{pickles[0]} is a pickle checkpoint; only {WEIGHTS_FILE} is loaded", WEIGHTS_FILE)
-        raise AdapterFormatError("missing_file", f"{WEIGHTS_FILE} is missing", WEIGHTS_FILE)
-    cfg = read_config(adapter_dir, max_rank=max_rank)
+    its header validated, the tensors viewed in place). Everything wrong is an AdapterFormatError, by the
+    upload validator's own rules (services.common.adapter_files): the files a directory may hold, the
+    config, the header and the tensors. `base_names`: the names of the base model an adapter may say it
+    was trained for (None: not checked -- offline tools and tests)."""
+    config_path, weights = check_dir(adapter_dir)
+    cfg = check_config_file(config_path, max_rank=max_rank,
+                             accepts_base=base_name_matcher(base_names) if base_names is not None else _any_base,
+                             base_name=base_names[0] if base_names else "")
     data = weights.read_bytes()  # read once: hashed for the content id, then parsed, then the tensors
     cid = content_id_of(cfg, hashlib.sha256(data).hexdigest())
     if expected_content_id is not None and cid != expected_content_id:
         raise AdapterFormatError("content_mismatch", f"adapter files hash to {cid[:12]}…, expected {expected_content_id[:12]}…")
     header = parse_safetensors_header(data)
-    if not header:
-        raise AdapterFormatError("empty_adapter", "the adapter has no tensors")
-    dims = module_dims(model)
+    (n,) = struct.unpack("<Q", data[:8])
+    check_weights(header, len(data) - 8 - n, cfg, model.base_dims())
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     scales: dict[tuple[int, str], np.float32] = {}
-    for tensor_name, info in header.items():
+    for tensor_name in header:
         key = parse_tensor_key(tensor_name)
-        if key.layer >= model.num_layers:
-            raise AdapterFormatError("shape_mismatch", f"tensor {tensor_name!r} is for layer {key.layer}; the base model has {model.num_layers}")
-        if info.dtype not in FLOAT_DTYPES:
-            raise AdapterFormatError("bad_dtype", f"tensor {tensor_name!r} has non-float dtype {info.dtype}")
-        module_key = key.module_key
-        rank = cfg.rank_for(module_key)
-        d_in, d_out = dims[key.module]
-        want = (rank, d_in) if key.which == "A" else (d_out, rank)
-        if info.shape != want:
-            features_ok = len(info.shape) == 2 and (info.shape[1] == d_in if key.which == "A" else info.shape[0] == d_out)
-            code = "rank_mismatch" if features_ok else "shape_mismatch"
-            raise AdapterFormatError(code, f"tensor {tensor_name!r} has shape {list(info.shape)}, expected {list(want)} for this base model")
-        slot = pairs.setdefault((key.layer, key.module), {})
-        if key.which in slot:
-            raise AdapterFormatError("duplicate_tensor", f"two lora_{key.which} tensors for layer {key.layer} {key.module}")
-        slot[key.which] = tensor_name
+        pairs.setdefault((key.layer, key.module), {})[key.which] = tensor_name
         if key.which == "A":
-            scales[(key.layer, key.module)] = np.float32(cfg.scale_for(module_key, rank))
+            scales[(key.layer, key.module)] = np.float32(cfg.scale_for(key.module_key, cfg.rank_for(key.module_key)))
     # The arithmetic stays in numpy: loads run on a worker thread beside the step loop, and a torch op big
     # enough for intra-op parallelism would start a second OpenMP team on it, whose spinning workers then
     # take the step loop's cores (measured: Zipf multi-LoRA throughput 0.92x -> 0.69x base from one
@@ -169,10 +141,12 @@ def read_lora(
     arrays = _arrays(data, {name: header[name] for names in pairs.values() for name in names.values()})
     modules = []
     for (layer, module), names in sorted(pairs.items()):
-        if len(names) != 2:
-            raise AdapterFormatError("missing_tensor", f"layer {layer} {module} has lora_{''.join(names)} but not its pair")
         modules.append(LoraModule(layer, module, arrays[names["A"]], arrays[names["B"]], scales[(layer, module)]))
-    return LoraArrays(cid, name or adapter_dir.name, max(m.a.shape[0] for m in modules), tuple(modules))
+    return LoraArrays(cid, name or Path(adapter_dir).name, max(m.a.shape[0] for m in modules), tuple(modules))
+
+
+def _any_base(_: str | None) -> bool:
+    return True
 
 
 def _arrays(data: bytes, infos: dict[str, TensorInfo]) -> dict[str, np.ndarray]:

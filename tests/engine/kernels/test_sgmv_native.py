@@ -291,9 +291,8 @@ def test_pack_from_the_file_arrays_is_the_pack_of_the_loaded_tensors(kernel, tin
 
 def _model_slices(model):
     from services.engine.lora.manager import group_slices
-    from services.engine.lora.weights import module_dims
 
-    return group_slices(module_dims(model))
+    return group_slices(model.base_dims().module_dims())
 
 
 @pytest.mark.parametrize("poison", ["nan_a", "inf_b", "overflow_by_scale"])
