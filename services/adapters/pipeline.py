@@ -30,6 +30,7 @@ from services.adapters.gate import GateError, GateResult, GateRunner, Thresholds
 from services.adapters.storage import ObjectStore
 from services.adapters.upload import private_dir
 from services.adapters.validate import ValidatedAdapter, reason, validate_dir, validate_upload
+from services.common.engine_registry import RETIRED_ADAPTERS
 from services.common.lora_format import AdapterFormatError, content_id
 from services.common.models import (
     Adapter,
@@ -43,7 +44,7 @@ from services.common.models import (
 
 log = logging.getLogger("mplex.adapters.pipeline")
 
-RETIRED_KEY = "mplex:adapters:retired"  # a Redis set of content ids engines must unload (services.engine.registry)
+RETIRED_KEY = RETIRED_ADAPTERS  # the Redis set of content ids engines must unload (services.common.engine_registry)
 UPLOADED, VALIDATING, EVALUATING, READY, REJECTED = (AdapterStatus.UPLOADED, AdapterStatus.VALIDATING,
                                                     AdapterStatus.EVALUATING, AdapterStatus.READY, AdapterStatus.REJECTED)
 
@@ -503,10 +504,10 @@ class InlineEnqueue:
 def build_runtime(settings, *, enqueue: Enqueue, config: PipelineConfig | None = None, redis_client=None,
                   session_factory: sessionmaker[Session] | None = None) -> Runtime:
     from services.adapters.base_model import base_model_dir
-    from services.common.db import get_engine, make_sessionmaker
+    from services.common.db import get_db_engine, make_sessionmaker
 
     return Runtime(
-        session_factory=session_factory or make_sessionmaker(get_engine()),
+        session_factory=session_factory or make_sessionmaker(get_db_engine()),
         store=ObjectStore.from_settings(settings),
         config=config or PipelineConfig.from_env(),
         sandbox_root=settings.home / "sandbox",

@@ -14,12 +14,11 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-import orjson
 import redis
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.engine.registry import REGISTRY_SET, entry_key
+from services.common.engine_registry import EngineSnapshot, read_snapshots_sync
 
 log = logging.getLogger("mplex.billing.engines")
 
@@ -45,12 +44,12 @@ class EngineSample:
     busy_us: int  # cumulative step time since started
 
     @classmethod
-    def from_snapshot(cls, d: dict) -> EngineSample | None:
+    def from_snapshot(cls, s: EngineSnapshot) -> EngineSample | None:
         """None for engines that do not publish time accounting (older builds)."""
-        if not all(k in d for k in ("started_at", "wall_s", "busy_s", "engine_type")):
+        if not s.accounts_time:
             return None
-        return cls(str(d["id"]), str(d["engine_type"]), d.get("base_model"), round(float(d["started_at"]) * 1e6),
-                   round(float(d["wall_s"]) * 1e6), round(float(d["busy_s"]) * 1e6))
+        return cls(s.id, str(s.engine_type), s.base_model or None, round(s.started_at * 1e6), round(s.wall_s * 1e6),
+                   round(s.busy_s * 1e6))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +64,7 @@ class Window:
 
 def read_registry(client: redis.Redis) -> list[EngineSample]:
     """Every live registry entry that carries time accounting."""
-    ids = sorted(i.decode() if isinstance(i, bytes) else i for i in client.smembers(REGISTRY_SET))
-    if not ids:
-        return []
-    samples = []
-    for raw in client.mget([entry_key(i) for i in ids]):
-        if raw:
-            s = EngineSample.from_snapshot(orjson.loads(raw))
-            if s is not None:
-                samples.append(s)
-    return samples
+    return [s for s in map(EngineSample.from_snapshot, read_snapshots_sync(client)) if s is not None]
 
 
 def record_sample(session: Session, sample: EngineSample) -> Window | None:

@@ -7,35 +7,24 @@ import os
 import time
 from dataclasses import dataclass
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.engine_registry import (
+    ENTRY_TTL_S,
+    HISTORY_EVERY,
+    HISTORY_LEN,
+    HISTORY_TTL_S,
+    REGISTRY_SET,
+    RETIRED_ADAPTERS,
+    EngineSnapshot,
+    entry_key,
+    history_key,
+)
+
 log = logging.getLogger("mplex.engine.registry")
 
-REGISTRY_SET = "mplex:engines"
-RETIRED_ADAPTERS = "mplex:adapters:retired"  # content ids of deleted adapters: engines unload them
-ENTRY_TTL_S = 5
 INTERVAL_S = 1.0
-# The admin page's short history: one compact sample every HISTORY_EVERY heartbeats, newest first, capped.
-HISTORY_EVERY = 5
-HISTORY_LEN = 120  # 10 minutes at one sample per 5 s
-HISTORY_TTL_S = 900  # a dead engine's history goes with it
-
-
-def entry_key(engine_id: str) -> str:
-    return f"mplex:engine:{engine_id}"
-
-
-def history_key(engine_id: str) -> str:
-    return f"mplex:engine:{engine_id}:history"
-
-
-def history_sample(snap: dict) -> dict:
-    """What the history keeps of a snapshot: the time, cumulative tokens (throughput is their rate) and load."""
-    return {"ts": snap["ts"], "tokens": snap.get("tokens_total", 0), "running": snap["running"],
-            "waiting": snap["waiting"], "kv_usage": snap["kv_usage"], "slots_used": len(snap["slot_adapters"]),
-            "slots_total": snap.get("slots_total")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +46,7 @@ def default_engine_type() -> str:
     return os.environ.get("MPLEX_ENGINE_TYPE") or "cpu"
 
 
-def snapshot(engine, url: str, uptime: Uptime | None = None, engine_type: str | None = None) -> dict:
+def snapshot(engine, url: str, uptime: Uptime | None = None, engine_type: str | None = None) -> EngineSnapshot:
     """What the router needs: base model, resident adapters, load; with `uptime`, what billing needs:
     cumulative step time (`busy_s`, the time attributed to requests) and wall time since the origin.
     Read on the step-loop thread, so the two are consistent (never mid-step)."""
@@ -70,22 +59,22 @@ def snapshot(engine, url: str, uptime: Uptime | None = None, engine_type: str | 
             "wall_s": time.monotonic() - uptime.monotonic,
             "busy_s": engine.stats.busy_seconds - uptime.busy_seconds,
         }
-    return {
-        "id": engine.config.engine_id,
-        "url": url,
-        "base_model": engine.config.model_name,
-        "host_adapters": [w.content_id for w in a.resident()] if a else [],
-        "slot_adapters": [c for c in a.slot_owners() if c] if a else [],
-        "slots_total": len(a.slot_owners()) if a else 0,
-        "tokens_total": engine.stats.tokens,  # prompt + generated tokens processed since start
-        "running": engine.scheduler.num_running,
-        "waiting": engine.scheduler.num_waiting,
-        "kv_usage": round(engine.kv.usage, 4),
-        "max_num_seqs": engine.config.scheduler.max_num_seqs,
-        "max_model_len": engine.max_model_len,
-        "ts": time.time(),
+    return EngineSnapshot(
+        id=engine.config.engine_id,
+        url=url,
+        base_model=engine.config.model_name,
+        host_adapters=tuple(w.content_id for w in a.resident()) if a else (),
+        slot_adapters=tuple(c for c in a.slot_owners() if c) if a else (),
+        slots_total=len(a.slot_owners()) if a else 0,
+        tokens_total=engine.stats.tokens,
+        running=engine.scheduler.num_running,
+        waiting=engine.scheduler.num_waiting,
+        kv_usage=round(engine.kv.usage, 4),
+        max_num_seqs=engine.config.scheduler.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        ts=time.time(),
         **billing,
-    }
+    )
 
 
 def _unload_retired(engine, content_id: str) -> None:
@@ -109,16 +98,16 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
             try:
                 snap = await async_engine.call(lambda e: snapshot(e, url, uptime, engine_type))
                 async with client.pipeline(transaction=False) as pipe:
-                    pipe.set(entry_key(engine_id), orjson.dumps(snap), ex=ENTRY_TTL_S)
+                    pipe.set(entry_key(engine_id), snap.encode(), ex=ENTRY_TTL_S)
                     pipe.sadd(REGISTRY_SET, engine_id)
                     pipe.expire(REGISTRY_SET, 60)
                     if beats % HISTORY_EVERY == 0:
-                        pipe.lpush(history_key(engine_id), orjson.dumps(history_sample(snap)))
+                        pipe.lpush(history_key(engine_id), snap.history_sample().encode())
                         pipe.ltrim(history_key(engine_id), 0, HISTORY_LEN - 1)
                         pipe.expire(history_key(engine_id), HISTORY_TTL_S)
                     pipe.smembers(RETIRED_ADAPTERS)
                     *_, retired = await pipe.execute()
-                resident = set(snap["host_adapters"]) | set(snap["slot_adapters"])
+                resident = set(snap.adapters)
                 for cid in {r.decode() for r in retired} & resident:
                     await async_engine.call(lambda e, c=cid: _unload_retired(e, c))
             except (RedisError, OSError) as exc:

@@ -14,10 +14,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import orjson
 import redis.asyncio as aioredis
 
-from services.engine.registry import REGISTRY_SET, entry_key
+from services.common.engine_registry import EngineSnapshot, read_snapshots
 
 VNODES = 64
 
@@ -36,12 +35,11 @@ class EngineInfo:
     max_model_len: int
 
     @classmethod
-    def from_snapshot(cls, d: dict) -> "EngineInfo":
+    def from_snapshot(cls, s: EngineSnapshot) -> "EngineInfo":
         return cls(
-            id=d["id"], url=d["url"], base_model=d["base_model"],
-            host_adapters=frozenset(d.get("host_adapters", ())), slot_adapters=frozenset(d.get("slot_adapters", ())),
-            running=int(d.get("running", 0)), waiting=int(d.get("waiting", 0)), kv_usage=float(d.get("kv_usage", 0)),
-            max_num_seqs=int(d.get("max_num_seqs", 256)), max_model_len=int(d.get("max_model_len", 0)),
+            id=s.id, url=s.url, base_model=s.base_model, host_adapters=frozenset(s.host_adapters),
+            slot_adapters=frozenset(s.slot_adapters), running=s.running, waiting=s.waiting, kv_usage=s.kv_usage,
+            max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
         )
 
     def holds(self, adapter: str | None) -> bool:
@@ -169,9 +167,7 @@ class Registry:
 
     async def engines(self, base_model: str | None = None, *, fresh: bool = False) -> list[EngineInfo]:
         if fresh or time.monotonic() - self._at > self.ttl_s:
-            ids = sorted(m.decode() for m in await self.redis.smembers(REGISTRY_SET))
-            raw = await self.redis.mget([entry_key(i) for i in ids]) if ids else []
-            self._engines = [EngineInfo.from_snapshot(orjson.loads(r)) for r in raw if r]
+            self._engines = [EngineInfo.from_snapshot(s) for s in await read_snapshots(self.redis) if s.url]
             self._at = time.monotonic()
         if base_model is None:
             return list(self._engines)

@@ -22,7 +22,7 @@ from sqlalchemy import insert
 from services.billing.engines import engine_totals, sample_engines
 from services.common.ids import new_request_id
 from services.common.models import UsageEvent
-from services.engine.registry import entry_key
+from services.common.engine_registry import entry_key
 from tests.factories import make_tenant, unique
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from sqlalchemy import select
 
 from services.billing.engines import EngineSample, read_registry, record_sample, sample_engines, to_us
 from services.common.models import EngineUsageReport
-from services.engine.registry import REGISTRY_SET, entry_key
+from services.common.engine_registry import REGISTRY_SET, entry_key
 from tests.factories import unique
 
 T = 1_700_000_000_000_000  # an engine start, epoch microseconds

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from services.common.models import EngineUsageReport, UsageDaily
-from services.engine.registry import REGISTRY_SET, entry_key
+from services.common.engine_registry import REGISTRY_SET, entry_key
 from tests.billing.conftest import make_price
 from tests.factories import make_tenant, make_usage_event, unique
 from tests.stack import Stack, free_port

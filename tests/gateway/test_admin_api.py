@@ -29,7 +29,7 @@ from services.common.models import (
     TenantLimits,
     User,
 )
-from services.engine.registry import REGISTRY_SET, entry_key
+from services.common.engine_registry import REGISTRY_SET, entry_key
 from services.gateway.crud import NEW_TENANT_LIMITS
 from tests.factories import (
     make_adapter,

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from services.common.keys import SCOPE_INFERENCE
 from services.common.models import ApiKey, AuditLog
-from services.engine.registry import REGISTRY_SET, entry_key, history_key
+from services.common.engine_registry import REGISTRY_SET, entry_key, history_key
 from services.gateway.crud import PLAYGROUND_KEY_LIMITS, PLAYGROUND_KEY_TTL
 from tests.gateway.mgmt_harness import browser, gateway, v1_models, world  # noqa: F401 (fixtures)
 

@@ -360,7 +360,7 @@ def fake_engine(web_stack, service_urls):
     holding an adapter version of a tenant by content hash, with its KV cache nearly full."""
     import redis
 
-    from services.engine.registry import REGISTRY_SET, entry_key, history_key
+    from services.common.engine_registry import REGISTRY_SET, entry_key, history_key
 
     tenant = new_tenant(web_stack, "Engines")
     _, (v1,) = add_adapter(web_stack, tenant, "router-bot", "ready", active=1)

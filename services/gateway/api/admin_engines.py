@@ -11,13 +11,12 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-import orjson
 from fastapi import APIRouter
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from services.common.models import Adapter, AdapterVersion, Tenant
-from services.engine.registry import HISTORY_LEN, REGISTRY_SET, entry_key, history_key
+from services.common.engine_registry import EngineSnapshot, HistorySample, read_histories, read_snapshots
 from services.gateway.api.views import (
     EngineAdapterOut,
     EngineHealthOut,
@@ -36,22 +35,22 @@ STALE_AFTER_S = 3.0  # engines heartbeat every second; three missed beats and th
 KV_HIGH = 0.95
 
 
-def engine_health(snapshot: dict, breaker: str | None, now: float) -> EngineHealthOut:
+def engine_health(snapshot: EngineSnapshot, breaker: str | None, now: float) -> EngineHealthOut:
     """unhealthy: this gateway will not route to it (breaker open) or it stopped reporting; degraded: it
     serves, but new work waits (breaker probing, KV cache nearly full, a queue longer than a full batch)."""
     bad, warn = [], []
-    age = now - float(snapshot.get("ts", now))
+    age = now - (snapshot.ts if snapshot.ts is not None else now)
     if age > STALE_AFTER_S:
         bad.append(f"no heartbeat for {age:.0f} s")
     if breaker == "open":
         bad.append("circuit breaker open: recent requests failed on this engine")
     elif breaker == "half_open":
         warn.append("circuit breaker half-open: probing after failures")
-    if float(snapshot.get("kv_usage", 0.0)) >= KV_HIGH:
-        warn.append(f"KV cache {float(snapshot['kv_usage']):.0%} full")
-    batch = int(snapshot.get("max_num_seqs", 0) or 0)
-    if batch and int(snapshot.get("waiting", 0)) > batch:
-        warn.append(f"{int(snapshot['waiting'])} requests queued (more than a full batch of {batch})")
+    if snapshot.kv_usage >= KV_HIGH:
+        warn.append(f"KV cache {snapshot.kv_usage:.0%} full")
+    batch = snapshot.max_num_seqs
+    if batch and snapshot.waiting > batch:
+        warn.append(f"{snapshot.waiting} requests queued (more than a full batch of {batch})")
     state = "unhealthy" if bad else "degraded" if warn else "healthy"
     return EngineHealthOut(state=state, reasons=bad + warn)
 
@@ -77,41 +76,33 @@ def name_content(db, content_ids: Iterable[str]) -> dict[str, EngineAdapterOut]:
     return out
 
 
-async def _snapshots(gw) -> list[dict]:
-    ids = sorted(m.decode() for m in await gw.redis.smembers(REGISTRY_SET))
-    raw = await gw.redis.mget([entry_key(i) for i in ids]) if ids else []
-    return [orjson.loads(r) for r in raw if r]
-
-
 @router.get("/engines", response_model=ListOf[EngineOut], responses=_ERRORS)
 async def list_engines(_: PlatformAdmin, gw: GatewayDep, db: SessionDep):
     """Live engines from the Redis registry (entries expire a few seconds after an engine's last heartbeat),
     with the adapters they hold named, and their health as this gateway sees it."""
-    snaps = await _snapshots(gw)
-    held = {c for s in snaps for c in (*s.get("slot_adapters", ()), *s.get("host_adapters", ()))}
+    snaps = await read_snapshots(gw.redis)
+    held = {c for s in snaps for c in s.adapters}
     names = await run_in_threadpool(name_content, db, held)
     breakers = gw.router.breaker_states()
     now = time.time()
     data = []
     for s in snaps:
-        cids = dict.fromkeys([*s.get("slot_adapters", ()), *s.get("host_adapters", ())])
-        data.append(engine_out(s, adapters=[names[c] for c in cids if c in names],
-                               health=engine_health(s, breakers.get(str(s["id"])), now)))
+        data.append(engine_out(s, adapters=[names[c] for c in s.adapters if c in names],
+                               health=engine_health(s, breakers.get(s.id), now)))
     return ListOf[EngineOut](data=data)
 
 
-def history_out(engine_id: str, raw: list[bytes]) -> EngineHistoryOut:
+def history_out(engine_id: str, samples: list[HistorySample]) -> EngineHistoryOut:
     """Samples oldest first; throughput is the tokens counter's rate between neighbouring samples (a counter
     that went down means the engine restarted: no rate for that step)."""
-    samples = sorted((orjson.loads(r) for r in raw), key=lambda d: d["ts"])
     out, prev = [], None
     for d in samples:
         rate = None
-        if prev is not None and d["ts"] > prev["ts"] and d["tokens"] >= prev["tokens"]:
-            rate = round((d["tokens"] - prev["tokens"]) / (d["ts"] - prev["ts"]), 2)
-        out.append(EngineSampleOut(ts=datetime.fromtimestamp(d["ts"], tz=timezone.utc), tokens_per_s=rate,
-                                   running=d["running"], waiting=d["waiting"], kv_usage=d["kv_usage"],
-                                   slots_used=d["slots_used"], slots_total=d.get("slots_total")))
+        if prev is not None and d.ts > prev.ts and d.tokens >= prev.tokens:
+            rate = round((d.tokens - prev.tokens) / (d.ts - prev.ts), 2)
+        out.append(EngineSampleOut(ts=datetime.fromtimestamp(d.ts, tz=timezone.utc), tokens_per_s=rate,
+                                   running=d.running, waiting=d.waiting, kv_usage=d.kv_usage,
+                                   slots_used=d.slots_used, slots_total=d.slots_total))
         prev = d
     return EngineHistoryOut(id=engine_id, samples=out)
 
@@ -119,9 +110,4 @@ def history_out(engine_id: str, raw: list[bytes]) -> EngineHistoryOut:
 @router.get("/engines/history", response_model=ListOf[EngineHistoryOut], responses=_ERRORS)
 async def engines_history(_: PlatformAdmin, gw: GatewayDep):
     """Each live engine's last minutes: throughput, queue, KV cache use and adapter slots in use."""
-    ids = sorted(m.decode() for m in await gw.redis.smembers(REGISTRY_SET))
-    async with gw.redis.pipeline(transaction=False) as pipe:
-        for i in ids:
-            pipe.lrange(history_key(i), 0, HISTORY_LEN - 1)
-        lists = await pipe.execute() if ids else []
-    return ListOf[EngineHistoryOut](data=[history_out(i, raw) for i, raw in zip(ids, lists)])
+    return ListOf[EngineHistoryOut](data=[history_out(i, samples) for i, samples in await read_histories(gw.redis)])

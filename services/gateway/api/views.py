@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
+from services.common.engine_registry import EngineSnapshot
 from services.common.models import AdapterVersion, ApiKey, GateDecision, Tenant, TenantLimits, User
 from services.gateway.crud import LIMIT_FIELDS, AdapterWithVersions
 
@@ -275,16 +276,11 @@ def adapter_out(item: AdapterWithVersions, *, override_names: dict[uuid.UUID, st
     )
 
 
-def engine_out(snapshot: dict[str, Any], *, adapters: list[EngineAdapterOut] | None = None,
+def engine_out(s: EngineSnapshot, *, adapters: list[EngineAdapterOut] | None = None,
                health: EngineHealthOut | None = None) -> EngineOut:
-    ts = snapshot.get("ts")
-    slots_total = snapshot.get("slots_total")
     return EngineOut(
-        id=str(snapshot["id"]), url=str(snapshot.get("url", "")), base_model=str(snapshot.get("base_model", "")),
-        running=int(snapshot.get("running", 0)), waiting=int(snapshot.get("waiting", 0)),
-        kv_usage=float(snapshot.get("kv_usage", 0.0)),
-        slot_adapters=[str(a) for a in snapshot.get("slot_adapters", ())],
-        host_adapters=[str(a) for a in snapshot.get("host_adapters", ())],
-        updated_at=datetime.fromtimestamp(float(ts), tz=timezone.utc) if ts is not None else None,
-        slots_total=int(slots_total) if slots_total is not None else None, adapters=adapters or [], health=health,
+        id=s.id, url=s.url, base_model=s.base_model, running=s.running, waiting=s.waiting, kv_usage=s.kv_usage,
+        slot_adapters=list(s.slot_adapters), host_adapters=list(s.host_adapters),
+        updated_at=datetime.fromtimestamp(s.ts, tz=timezone.utc) if s.ts is not None else None,
+        slots_total=s.slots_total, adapters=adapters or [], health=health,
     )
