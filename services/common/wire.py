@@ -150,6 +150,30 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean", name)
 
+    @classmethod
+    def from_wire(cls, d: Any) -> SamplingParams:
+        """From its JSON object (the engine's internal request): unknown fields are refused, not dropped, and
+        __post_init__ checks every value, so a JSON value of the wrong type is named like any other."""
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise InvalidRequest("sampling must be an object", "sampling")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidRequest(f"unknown sampling fields: {sorted(map(str, unknown))}", "sampling")
+        kw = dict(d)
+        for key in ("stop", "stop_token_ids"):
+            if key in kw:
+                if kw[key] is not None and not isinstance(kw[key], list):
+                    raise InvalidRequest(f"sampling.{key} must be a list", f"sampling.{key}")
+                kw[key] = tuple(kw[key] or ())
+        return cls(**kw)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Its JSON object: the fields that differ from the defaults (the receiver fills in the rest)."""
+        return {f.name: list(v) if isinstance(v, tuple) else v for f in dataclasses.fields(self)
+                if (v := getattr(self, f.name)) != f.default}
+
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model: token ids inside its vocabulary, top_k no wider than it."""
         if self.top_k > vocab_size:

@@ -1,4 +1,5 @@
-"""The engine's HTTP server: the internal token stream for the gateway, OpenAI endpoints, health, metrics."""
+"""The engine's HTTP server: the internal token stream for the gateway, OpenAI endpoints, adapter loading,
+health, metrics. `EngineServer` holds the state the endpoints share; `create_app` only wires it."""
 from __future__ import annotations
 
 import asyncio
@@ -8,17 +9,16 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage, check_wire_version
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from services.common.internal_auth import InternalAuthMiddleware
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
-from services.common.streaming import ClosingStreamingResponse
 from services.common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,8 +29,9 @@ from services.common.openai_protocol import (
     validation_error_body,
 )
 from services.common.openai_serving import ChoiceStream, collect, merge, plan_request_async, stream_sse
-from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
 from services.common.prompting import PromptBuilder
+from services.common.streaming import ClosingStreamingResponse, unless_disconnected
+from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import RequestOutput
 from services.engine.lora.sources import AdapterSources
@@ -39,103 +40,43 @@ from services.engine.sequence import AdapterRef, InvalidRequest, Priority, Sampl
 log = logging.getLogger("mplex.engine.server")
 
 
-class AdapterSpec(BaseModel):
-    content_id: str = Field(pattern=r"^[0-9a-f]{64}$")
-    name: str = ""
-    uri: str | None = None
-
-
-class GenerateRequest(BaseModel):
-    """Internal stream request from the gateway: already tokenized, already authorized."""
-
-    request_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
-    prompt_token_ids: list[int] = Field(min_length=1)
-    sampling: dict[str, Any] = Field(default_factory=dict)
-    priority: str | int | None = None
-    cache_salt: str = Field(default="", max_length=256, pattern=r"^[\x21-\x7e]*$")
-    adapter: AdapterSpec | None = None
-    client_request_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
-    # Who the request is for and its plan's share weight: set by the gateway from the authenticated key,
-    # never by a client (this endpoint needs the platform credential). Fair sharing and per-tenant metrics.
-    tenant: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9._:-]*$")
-    weight: float = Field(default=1.0, gt=0, le=1000)
-
-
 class LoadAdapterRequest(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
     path: str = Field(min_length=1, description="local directory or storage URI holding the PEFT files")
     content_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
-def _sampling_from(d: dict[str, Any]) -> SamplingParams:
-    """The internal request's sampling object; SamplingParams checks every type and range itself."""
-    allowed = set(SamplingParams.__dataclass_fields__)
-    unknown = set(d) - allowed
-    if unknown:
-        raise InvalidRequest(f"unknown sampling fields: {sorted(unknown)}", "sampling")
-    kw = dict(d)
-    for key in ("stop", "stop_token_ids"):
-        if key in kw:
-            if kw[key] is not None and not isinstance(kw[key], list):
-                raise InvalidRequest(f"sampling.{key} must be a list", f"sampling.{key}")
-            kw[key] = tuple(kw[key] or ())
-    return SamplingParams(**kw)
-
-
-def _logprob_items(engine, out: RequestOutput) -> list[dict[str, Any]] | None:
-    if out.logprobs is None:
-        return None
-    tok = engine.tokenizer
-    return [
-        {
-            "token": tok.token_text(lp.token_id),
-            "token_id": lp.token_id,
-            "logprob": lp.logprob,
-            "top": [{"token": tok.token_text(t), "token_id": t, "logprob": v} for t, v in lp.top],
-        }
-        for lp in out.logprobs
-    ]
-
-
-def _usage(out: RequestOutput) -> Usage:
-    return Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-
-
 def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_url: str | None = None,
                advertise_url: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> FastAPI:
     """`engine_tokens`: the accepted platform credentials (services.common.internal_auth), required on every
-    endpoint but the probes."""
-    core = engine.engine
-    builder = PromptBuilder(core.config.model_dir)
-    model_name = core.config.model_name
-    adapters_by_name: dict[str, AdapterRef] = {}
-    sources = AdapterSources.of(core.config.adapter_stores, core.adapters.cache_dir if core.adapters else None)
-
-    stop_heartbeat = asyncio.Event()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start(asyncio.get_running_loop())
-        beat = None
-        if registry_url and advertise_url:
-            from services.engine.registry import heartbeat
-
-            beat = asyncio.create_task(heartbeat(engine, registry_url, advertise_url, stop_heartbeat))
-        yield
-        stop_heartbeat.set()  # leave the registry first so the gateway stops routing here, then drain
-        if beat is not None:
-            await beat
-        engine.shutdown()
-
-    app = FastAPI(title="Multiplex engine", lifespan=lifespan)
+    endpoint but /health."""
+    server = EngineServer(engine, registry_url=registry_url, advertise_url=advertise_url)
+    app = FastAPI(title="Multiplex engine", lifespan=server.lifespan)
     app.add_middleware(InternalAuthMiddleware, tokens=engine_tokens)
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     app.state.engine = engine
-    app.state.draining = False
+    _install_error_handlers(app)
+    for method, path, endpoint in (
+        ("GET", "/health", server.health), ("GET", "/ready", server.ready), ("POST", "/drain", server.drain),
+        ("GET", "/metrics", server.metrics), ("GET", "/v1/models", server.models),
+        ("POST", "/internal/v1/adapters", server.load_adapter), ("GET", "/internal/v1/adapters", server.list_adapters),
+        ("DELETE", "/internal/v1/adapters/{name}", server.unload_adapter),
+        ("POST", "/v1/completions", server.completions), ("POST", "/v1/chat/completions", server.chat),
+    ):
+        app.add_api_route(path, endpoint, methods=[method])
+    # The wire version is checked before the body is validated: a newer gateway's body may not parse here.
+    app.add_api_route(GENERATE_PATH, server.generate, methods=["POST"], dependencies=[Depends(_wire_version)])
+    return app
 
-    # Every error says whose fault it was (FAULT_HEADER): the gateway retries on another engine only
-    # when this engine could not serve (EngineUnavailable), never a request that failed on its own.
+
+def _wire_version(request: Request) -> None:
+    check_wire_version(request.headers.get(WIRE_HEADER))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error says whose fault it was (FAULT_HEADER): the gateway retries on another engine only when
+    this engine could not serve (EngineUnavailable), never a request that failed on its own."""
     request_fault = {FAULT_HEADER: FAULT_REQUEST}
 
     @app.exception_handler(InvalidRequest)
@@ -164,129 +105,149 @@ def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_ur
         return JSONResponse(error_body(f"the engine failed while handling this request ({type(exc).__name__})",
                                        "server_error", None, "request_failed"), 500, headers=request_fault)
 
-    @app.get("/health")
-    async def health():
-        if not engine.alive:
+
+class EngineServer:
+    """What the endpoints share: the engine, its tokenizer, the adapters loaded by name, draining."""
+
+    def __init__(self, engine: AsyncEngine, *, registry_url: str | None, advertise_url: str | None):
+        self.engine = engine
+        self.core = core = engine.engine
+        self.builder = PromptBuilder(core.config.model_dir)
+        self.model_name = core.config.model_name
+        self.adapters_by_name: dict[str, AdapterRef] = {}
+        self.sources = AdapterSources.of(core.config.adapter_stores, core.adapters.cache_dir if core.adapters else None)
+        self.registry_url, self.advertise_url = registry_url, advertise_url
+        self.draining = False
+        self.stop_heartbeat = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        self.engine.start(asyncio.get_running_loop())
+        beat = None
+        if self.registry_url and self.advertise_url:
+            from services.engine.registry import heartbeat
+
+            beat = asyncio.create_task(heartbeat(self.engine, self.registry_url, self.advertise_url, self.stop_heartbeat))
+        yield
+        self.stop_heartbeat.set()  # leave the registry first so the gateway stops routing here, then drain
+        if beat is not None:
+            await beat
+        self.engine.shutdown()
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise EngineUnavailable("this engine is draining; retry on another engine", code="engine_draining")
+
+    # -- probes and operations --------------------------------------------------------------------------
+    async def health(self):
+        if not self.engine.alive:
             return JSONResponse({"status": "dead"}, 503)
         return {"status": "ok"}
 
-    @app.get("/ready")
-    async def ready():
-        if not engine.alive or app.state.draining:
-            return JSONResponse({"ready": False, "draining": app.state.draining}, 503)
-        return {"ready": True, "model": model_name}
+    async def ready(self):
+        if not self.engine.alive or self.draining:
+            return JSONResponse({"ready": False, "draining": self.draining}, 503)
+        return {"ready": True, "model": self.model_name}
 
-    @app.post("/drain")
-    async def drain():
+    async def drain(self):
         """Stop taking new requests (pod preStop): leave the registry; in-flight streams finish."""
-        app.state.draining = True
-        stop_heartbeat.set()
-        return {"draining": True, "in_flight": engine.num_in_flight}
+        self.draining = True
+        self.stop_heartbeat.set()
+        return {"draining": True, "in_flight": self.engine.num_in_flight}
 
-    def refuse_if_draining() -> None:
-        if app.state.draining:
-            raise EngineUnavailable("this engine is draining; retry on another engine", code="engine_draining")
+    async def metrics(self):
+        return Response(generate_latest(self.core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        data = [{"id": model_name, "object": "model", "created": 0, "owned_by": "multiplex"}]
-        data += [{"id": n, "object": "model", "created": 0, "owned_by": "multiplex", "parent": model_name, "root": r.content_id}
-                 for n, r in sorted(adapters_by_name.items())]
+    # -- adapters ---------------------------------------------------------------------------------------
+    async def models(self):
+        data = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "multiplex"}]
+        data += [{"id": n, "object": "model", "created": 0, "owned_by": "multiplex", "parent": self.model_name,
+                  "root": r.content_id} for n, r in sorted(self.adapters_by_name.items())]
         return {"object": "list", "data": data}
 
-    @app.post("/internal/v1/adapters")
-    async def load_adapter(req: LoadAdapterRequest):
+    async def load_adapter(self, req: LoadAdapterRequest):
         """Load (validate + host-cache) an adapter and make it servable by name on this engine."""
-        if core.adapters is None:
+        if self.core.adapters is None:
             raise InvalidRequest("this engine serves no adapters", "name", status=404)
-        path = sources.confine(req.path, "path")  # a resolved local path, or a URL in the object store
+        path = self.sources.confine(req.path, "path")  # a resolved local path, or a URL in the object store
         cid = req.content_id
         if cid is None:
             if "://" in path:
                 raise InvalidRequest("content_id is required for remote adapter URIs", "content_id")
             cid = await asyncio.to_thread(adapter_content_id, path)
         ref = AdapterRef(cid, req.name, path)
-        weights = await asyncio.to_thread(core.adapters.load_sync, ref)
-        adapters_by_name[req.name] = ref
+        weights = await asyncio.to_thread(self.core.adapters.load_sync, ref)
+        self.adapters_by_name[req.name] = ref
         return {"name": req.name, "content_id": cid, "rank": weights.max_rank,
                 "target_modules": weights.target_modules, "bytes": weights.nbytes}
 
-    @app.get("/internal/v1/adapters")
-    async def list_adapters():
+    async def list_adapters(self):
         def view(e):
             a = e.adapters
             slots = a.slot_owners() if a else []
             return {"host": [w.content_id for w in (a.resident() if a else [])], "slots": slots}
 
-        state = await engine.call(view)
+        state = await self.engine.call(view)
         return {
             "data": [{"name": n, "content_id": r.content_id, "host_resident": r.content_id in state["host"],
                       "slot": state["slots"].index(r.content_id) if r.content_id in state["slots"] else None}
-                     for n, r in sorted(adapters_by_name.items())],
+                     for n, r in sorted(self.adapters_by_name.items())],
             "slots_total": len(state["slots"]),
         }
 
-    @app.delete("/internal/v1/adapters/{name}")
-    async def unload_adapter(name: str):
-        ref = adapters_by_name.get(name)
+    async def unload_adapter(self, name: str):
+        ref = self.adapters_by_name.get(name)
         if ref is None:
             raise InvalidRequest(f"adapter {name!r} is not loaded", "name", "not_found", status=404)
-        await engine.call(lambda e: e.adapters.unload(ref.content_id))
-        adapters_by_name.pop(name, None)
+        await self.engine.call(lambda e: e.adapters.unload(ref.content_id))
+        self.adapters_by_name.pop(name, None)
         return {"name": name, "unloaded": True}
 
-    def choice_stream(rid: str, index: int, prompt: list[int], params: SamplingParams, priority: Priority,
-                      salt: str, adapter: AdapterRef | None) -> ChoiceStream:
+    # -- the engine's own OpenAI endpoints --------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request: Request):
+        return await self._openai("completion", req, request)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        return await self._openai("chat", req, request)
+
+    async def _openai(self, kind: str, req: ChatCompletionRequest | CompletionRequest, request: Request):
+        self.refuse_if_draining()
+        adapter = self.adapters_by_name.get(req.model)
+        if req.model != self.model_name and adapter is None:
+            raise InvalidRequest(f"The model `{req.model}` does not exist.", "model", "model_not_found", status=404)
+        plan = await plan_request_async(kind, req, self.builder, self.core.max_model_len)
+        for job in plan.jobs:
+            self.core.validate(job.prompt_ids, job.params)
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
+        streams = [self._choice(f"{rid}-{j.index}", j.index, j.prompt_ids, j.params, req.priority_class, adapter)
+                   for j in plan.jobs]
+        items = merge(streams)
+        headers = {"x-request-id": rid}
+        if req.stream:
+            return ClosingStreamingResponse(stream_sse(plan, response_id, self.model_name, items),
+                                            media_type="text/event-stream", headers=headers)
+        body, _ = await unless_disconnected(request, collect(plan, response_id, self.model_name, items))
+        return JSONResponse(body, headers=headers)
+
+    def _choice(self, rid: str, index: int, prompt: list[int], params: SamplingParams, priority: Priority,
+                adapter: AdapterRef | None) -> ChoiceStream:
         async def gen():
-            async for out in engine.generate(rid, prompt, params, priority=priority, cache_salt=salt, adapter=adapter):
-                delta = Delta(index, out.new_text, out.new_token_ids, _logprob_items(core, out), out.finish_reason)
+            async for out in self.engine.generate(rid, prompt, params, priority=priority, adapter=adapter):
+                delta = Delta(index, out.new_text, out.new_token_ids, _logprob_items(self.core, out), out.finish_reason)
                 yield delta, (_usage(out) if out.finished else None)
 
         return gen()
 
-    async def openai(kind: str, req: ChatCompletionRequest | CompletionRequest, request: Request):
-        refuse_if_draining()
-        adapter = adapters_by_name.get(req.model)
-        if req.model != model_name and adapter is None:
-            raise InvalidRequest(f"The model `{req.model}` does not exist.", "model", "model_not_found", status=404)
-        plan = await plan_request_async(kind, req, builder, core.max_model_len)
-        for job in plan.jobs:
-            core.validate(job.prompt_ids, job.params)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        priority = req.priority_class
-        streams = [
-            choice_stream(f"{rid}-{j.index}", j.index, j.prompt_ids, j.params, priority, "", adapter) for j in plan.jobs
-        ]
-        items = merge(streams)
-        headers = {"x-request-id": rid}
-        if req.stream:
-            return ClosingStreamingResponse(stream_sse(plan, prefix + rid, model_name, items), media_type="text/event-stream", headers=headers)
-        body, _ = await _unless_disconnected(request, collect(plan, prefix + rid, model_name, items))
-        return JSONResponse(body, headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        return await openai("completion", req, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):
-        return await openai("chat", req, request)
-
-    @app.post("/internal/v1/generate")
-    async def generate(req: GenerateRequest, request: Request):
-        """NDJSON: one line per step, {"text","token_ids","logprobs","finish_reason"}; the last adds "usage"."""
-        refuse_if_draining()
-        params = _sampling_from(req.sampling)
-        uri = sources.confine(req.adapter.uri, "adapter.uri") if req.adapter and req.adapter.uri else None
+    # -- the internal stream ----------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest, request: Request):
+        """NDJSON: one StreamItem per step (services.common.engine_wire); the last adds `usage`."""
+        self.refuse_if_draining()
+        uri = self.sources.confine(req.adapter.uri, "adapter.uri") if req.adapter and req.adapter.uri else None
         adapter = AdapterRef(req.adapter.content_id, req.adapter.name, uri) if req.adapter else None
-        core.validate(req.prompt_token_ids, params)
-        outputs = engine.generate(
-            req.request_id, req.prompt_token_ids, params,
+        self.core.validate(req.prompt_token_ids, req.sampling)
+        outputs = self.engine.generate(
+            req.request_id, req.prompt_token_ids, req.sampling,
             priority=Priority.parse(req.priority), cache_salt=req.cache_salt, adapter=adapter,
             tenant=req.tenant, weight=req.weight,
         )
@@ -294,45 +255,57 @@ def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_ur
         log.info("request accepted", extra={**ids, "prompt_tokens": len(req.prompt_token_ids),
                                             "adapter": req.adapter.name if req.adapter else None})
         first = await _first(outputs)  # errors before the first token become a proper HTTP error
-
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                out = first
-                while out is not None:
-                    item: dict[str, Any] = {
-                        "text": out.new_text,
-                        "token_ids": out.new_token_ids,
-                        "logprobs": _logprob_items(core, out),
-                        "finish_reason": out.finish_reason,
-                    }
-                    if out.finished:
-                        log.info("request finished", extra={**ids, "finish_reason": out.finish_reason,
-                                                            "completion_tokens": out.num_output_tokens,
-                                                            "cached_tokens": out.num_cached_tokens})
-                        item["usage"] = {
-                            "prompt_tokens": out.num_prompt_tokens,
-                            "cached_tokens": out.num_cached_tokens,
-                            "completion_tokens": out.num_output_tokens,
-                            "compute_seconds": out.compute_seconds,
-                            "engine_id": core.config.engine_id,
-                        }
-                    yield orjson.dumps(item) + b"\n"
-                    try:
-                        out = await anext(outputs, None)
-                    except (InvalidRequest, EngineUnavailable) as exc:  # failed mid-stream: say so, then end
-                        log.warning("request failed mid-stream", extra={**ids, "error": exc.message})
-                        fault = FAULT_ENGINE if isinstance(exc, EngineUnavailable) else FAULT_REQUEST
-                        yield orjson.dumps({**error_of(exc), "fault": fault}) + b"\n"
-                        return
-            finally:
-                await outputs.aclose()
-
         headers = {"x-request-id": req.request_id}
         if first is not None and first.clamped_from is not None:
-            headers[CLAMPED_HEADER] = str(core.config.scheduler.batch_max_tokens_under_overload)
-        return ClosingStreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
+            headers[CLAMPED_HEADER] = str(self.core.config.scheduler.batch_max_tokens_under_overload)
+        return ClosingStreamingResponse(self._lines(first, outputs, ids), media_type="application/x-ndjson",
+                                        headers=headers)
 
-    return app
+    async def _lines(self, first: RequestOutput | None, outputs: AsyncIterator[RequestOutput],
+                     ids: dict[str, Any]) -> AsyncIterator[bytes]:
+        try:
+            out = first
+            while out is not None:
+                yield self._item(out, ids).encode()
+                try:
+                    out = await anext(outputs, None)
+                except (InvalidRequest, EngineUnavailable) as exc:  # failed mid-stream: say so, then end
+                    log.warning("request failed mid-stream", extra={**ids, "error": exc.message})
+                    yield StreamItem.failure(exc).encode()
+                    return
+        finally:
+            await outputs.aclose()
+
+    def _item(self, out: RequestOutput, ids: dict[str, Any]) -> StreamItem:
+        usage = None
+        if out.finished:
+            log.info("request finished", extra={**ids, "finish_reason": out.finish_reason,
+                                                "completion_tokens": out.num_output_tokens,
+                                                "cached_tokens": out.num_cached_tokens})
+            usage = StreamUsage(prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                                completion_tokens=out.num_output_tokens, compute_seconds=out.compute_seconds,
+                                engine_id=self.core.config.engine_id)
+        return StreamItem(text=out.new_text, token_ids=out.new_token_ids, logprobs=_logprob_items(self.core, out),
+                          finish_reason=out.finish_reason, usage=usage)
+
+
+def _logprob_items(engine, out: RequestOutput) -> list[dict[str, Any]] | None:
+    if out.logprobs is None:
+        return None
+    tok = engine.tokenizer
+    return [
+        {
+            "token": tok.token_text(lp.token_id),
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top": [{"token": tok.token_text(t), "token_id": t, "logprob": v} for t, v in lp.top],
+        }
+        for lp in out.logprobs
+    ]
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
@@ -343,18 +316,3 @@ async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
     except BaseException:
         await outputs.aclose()
         raise
-
-
-async def _unless_disconnected(request: Request, coro):
-    """Run a non-streaming generation, cancelling it (and so aborting it) if the client hangs up. Checked
-    every 0.1 s: a hung-up request stops costing batch seats and KV blocks within that."""
-    task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.1)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise asyncio.CancelledError("client disconnected")

@@ -19,7 +19,8 @@ import aiohttp
 import orjson
 
 from services.common.openai_protocol import Delta, Usage
-from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineUnavailable, InvalidRequest
+from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
+from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineUnavailable
 from services.gateway.router import EngineInfo, Router
 
 log = logging.getLogger("mplex.gateway.upstream")
@@ -86,100 +87,131 @@ async def open_choice(
     client: aiohttp.ClientSession,
     router: Router,
     engines: list[EngineInfo],
-    payload: dict[str, Any],
+    request: GenerateRequest,
     index: int,
     result: StreamResult,
     clock,
 ) -> AsyncIterator[tuple[Delta, Usage | None]]:
     """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream."""
-    request_id = payload["request_id"]
-    last_error = "no engine serves this model"
-    overloaded: list[int] = []  # Retry-After of each engine that refused as overloaded
-    body = orjson.dumps(payload)
-    headers = {"content-type": "application/json", "x-request-id": request_id}
+    tries = _Attempts()
+    body = request.encode()
+    headers = {"content-type": "application/json", "x-request-id": request.request_id, WIRE_HEADER: str(WIRE_VERSION)}
     for engine in engines:
         if not router.admit(engine.id):
-            last_error = f"engine {engine.id} is failing (circuit open)"
+            tries.last_error = f"engine {engine.id} is failing (circuit open)"
             continue
         result.attempts += 1
         router.opened(engine.id)
-        resp: aiohttp.ClientResponse | None = None
-        try:
-            resp, first = await _open(client, engine, body, headers)
-        except _TryNext as exc:
-            last_error = str(exc)
-            if exc.code == "engine_overloaded":
-                overloaded.append(exc.retry_after or 1)
-            log.warning("engine %s could not take %s (%s); trying the next", engine.id, request_id, exc)
-            if exc.counts_against_engine:
-                router.failed(engine.id)
-            else:
-                router.succeeded(engine.id)  # it answered (draining, overloaded): alive
-            router.closed(engine.id)
+        opened = await _try_engine(client, router, engine, body, headers, result, tries)
+        if opened is None:
             continue
-        except EngineLost:
-            result.tried_engine_id = engine.id
-            router.failed(engine.id)
-            router.closed(engine.id)
-            raise
-        except UpstreamRefused:
-            router.succeeded(engine.id)  # a well-formed refusal: the engine is up
-            router.closed(engine.id)
-            raise
-        except BaseException:  # cancelled (the client hung up): says nothing about the engine
-            router.end_probe(engine.id)
-            router.closed(engine.id)
-            raise
         # Committed to this engine: from here on a failure ends the stream (it is never retried).
-        router.succeeded(engine.id)  # it took the request and produced a token: up
-        result.engine_id = engine.id
-        result.clamped_max_tokens = resp.headers.get(CLAMPED_HEADER)
-        finished = False
-        try:
-            line: bytes = first
-            while line:
-                line = line.strip()
-                if line:
-                    item = orjson.loads(line)
-                    if "error" in item:
-                        raise _stream_error(item)
-                    result.delivered_tokens += len(item["token_ids"])
-                    if result.first_token_at is None and item["token_ids"]:
-                        result.first_token_at = clock()
-                    usage = None
-                    if "usage" in item:
-                        u = item["usage"]
-                        usage = Usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
-                        result.usage = usage
-                        result.compute_seconds = float(u.get("compute_seconds", 0.0))
-                        result.finish_reason = item["finish_reason"]
-                        finished = True
-                    yield Delta(index, item["text"], item["token_ids"], item.get("logprobs"), item["finish_reason"]), usage
-                try:
-                    line = await resp.content.readline()
-                except _LOST as exc:
-                    router.failed(engine.id)
-                    raise EngineLost(f"engine {engine.id} failed mid-stream ({exc.__class__.__name__})") from None
-            if not finished:
-                router.failed(engine.id)
-                raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
-        finally:
-            if finished:
-                resp.release()  # whole body read: the connection goes back to the pool
-            else:
-                resp.close()  # closing the connection makes the engine abort and free the sequence's KV
-            router.closed(engine.id)
+        resp, first = opened
+        async for out in _read_stream(router, engine, resp, first, index, result, clock):
+            yield out
         return
-    if overloaded and len(overloaded) == result.attempts:
-        raise NoEngineAvailable(f"every engine serving this model is overloaded ({last_error})", code="engine_overloaded",
-                                retry_after=min(overloaded))
-    raise NoEngineAvailable(f"no engine could serve the request ({last_error})")
+    raise tries.exhausted(result.attempts)
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """Why the engines tried so far did not take the request."""
+
+    last_error: str = "no engine serves this model"
+    overloaded: list[int] = field(default_factory=list)  # Retry-After of each engine that refused as overloaded
+
+    def exhausted(self, attempts: int) -> NoEngineAvailable:
+        if self.overloaded and len(self.overloaded) == attempts:
+            return NoEngineAvailable(f"every engine serving this model is overloaded ({self.last_error})",
+                                     code="engine_overloaded", retry_after=min(self.overloaded))
+        return NoEngineAvailable(f"no engine could serve the request ({self.last_error})")
+
+
+async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, headers: dict[str, str],
+                      result: StreamResult, tries: _Attempts):
+    """(response, first line) once `engine` took the request; None when the next engine should be tried."""
+    try:
+        resp, first = await _open(client, engine, body, headers)
+    except _TryNext as exc:
+        tries.last_error = str(exc)
+        if exc.code == "engine_overloaded":
+            tries.overloaded.append(exc.retry_after or 1)
+        log.warning("engine %s could not take %s (%s); trying the next", engine.id, headers["x-request-id"], exc)
+        if exc.counts_against_engine:
+            router.failed(engine.id)
+        else:
+            router.succeeded(engine.id)  # it answered (draining, overloaded): alive
+        router.closed(engine.id)
+        return None
+    except EngineLost:
+        result.tried_engine_id = engine.id
+        router.failed(engine.id)
+        router.closed(engine.id)
+        raise
+    except UpstreamRefused:
+        router.succeeded(engine.id)  # a well-formed refusal: the engine is up
+        router.closed(engine.id)
+        raise
+    except BaseException:  # cancelled (the client hung up): says nothing about the engine
+        router.end_probe(engine.id)
+        router.closed(engine.id)
+        raise
+    router.succeeded(engine.id)  # it took the request and produced a token: up
+    result.engine_id = engine.id
+    result.clamped_max_tokens = resp.headers.get(CLAMPED_HEADER)
+    return resp, first
+
+
+async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientResponse, first: bytes, index: int,
+                       result: StreamResult, clock) -> AsyncIterator[tuple[Delta, Usage | None]]:
+    """The engine's StreamItems as deltas, starting with the first line `_open` already read."""
+    finished = False
+    try:
+        line: bytes = first
+        while line:
+            line = line.strip()
+            if line:
+                item = _decode(engine, line)
+                if item.error is not None:
+                    item.raise_error()
+                result.delivered_tokens += len(item.token_ids)
+                if result.first_token_at is None and item.token_ids:
+                    result.first_token_at = clock()
+                usage = None
+                if item.usage is not None:
+                    u = item.usage
+                    usage = result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                    result.compute_seconds = u.compute_seconds
+                    result.finish_reason = item.finish_reason
+                    finished = True
+                yield Delta(index, item.text, item.token_ids, item.logprobs, item.finish_reason), usage
+            try:
+                line = await resp.content.readline()
+            except _LOST as exc:
+                router.failed(engine.id)
+                raise EngineLost(f"engine {engine.id} failed mid-stream ({exc.__class__.__name__})") from None
+        if not finished:
+            router.failed(engine.id)
+            raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
+    finally:
+        if finished:
+            resp.release()  # whole body read: the connection goes back to the pool
+        else:
+            resp.close()  # closing the connection makes the engine abort and free the sequence's KV
+        router.closed(engine.id)
+
+
+def _decode(engine: EngineInfo, line: bytes) -> StreamItem:
+    try:
+        return StreamItem.decode(line)
+    except ValueError:
+        raise EngineLost(f"engine {engine.id} sent a line that is not a stream item") from None
 
 
 async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, headers: dict[str, str]):
     """POST the request and read the first line (the engine answers only once it has a first token)."""
     try:
-        resp = await client.post(f"{engine.url}/internal/v1/generate", data=body, headers=headers)
+        resp = await client.post(f"{engine.url}{GENERATE_PATH}", data=body, headers=headers)
     except _NOT_SENT as exc:
         raise _TryNext(f"engine {engine.id} unreachable ({exc.__class__.__name__})", True) from None
     except _LOST as exc:
@@ -210,13 +242,3 @@ async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, 
         resp.close()
         raise EngineLost(f"engine {engine.id} closed the stream before the first token")
     return resp, first
-
-
-def _stream_error(item: dict[str, Any]) -> Exception:
-    """An error line from the engine's stream as the error type both services share."""
-    err = item.get("error") or {}
-    message = err.get("message") or "the engine failed this request"
-    if item.get("fault") == FAULT_ENGINE:
-        return EngineUnavailable(message, code=err.get("code") or "engine_unavailable")
-    status = 500 if err.get("type") == "server_error" else 400
-    return InvalidRequest(message, err.get("param"), err.get("code"), status)

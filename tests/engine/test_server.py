@@ -266,3 +266,23 @@ def test_adapter_paths_outside_the_stores_are_refused_and_the_engine_keeps_servi
     assert client.chat.completions.create(model="upper", messages=prompt, max_tokens=4).choices[0].message.content
     assert client.chat.completions.create(model=demo_kit.model_name, messages=prompt, max_tokens=4).choices
     assert "evil" not in [m.id for m in client.models.list().data]
+
+
+def test_the_internal_stream_speaks_one_wire_version(server):
+    """The gateway sends the wire version it speaks; an engine that speaks another refuses as its own fault (so
+    the gateway tries the next engine) before reading the body, and every line of a stream is a StreamItem."""
+    from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
+    from services.common.wire import FAULT_ENGINE, FAULT_HEADER, SamplingParams
+
+    body = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3],
+                           sampling=SamplingParams(max_tokens=3, temperature=0.0)).encode()
+    url = f"{server}{GENERATE_PATH}"
+    newer = httpx.post(url, headers={**AUTH, WIRE_HEADER: str(WIRE_VERSION + 1)}, content=b'{"v2": true}', timeout=60)
+    assert newer.status_code == 503 and newer.headers[FAULT_HEADER] == FAULT_ENGINE
+    assert newer.json()["error"]["code"] == "wire_version_unsupported"
+    ok = httpx.post(url, headers={**AUTH, WIRE_HEADER: str(WIRE_VERSION), "content-type": "application/json"},
+                    content=body, timeout=60)
+    assert ok.status_code == 200, ok.text
+    items = [StreamItem.decode(line) for line in ok.content.splitlines() if line.strip()]
+    assert sum(len(i.token_ids) for i in items) == 3 and items[-1].usage is not None
+    assert items[-1].usage.completion_tokens == 3 and items[-1].finish_reason == "length"

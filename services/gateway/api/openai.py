@@ -27,7 +27,8 @@ from services.common.errors import (
 from services.common.ids import new_request_id
 from services.common.keys import SCOPE_INFERENCE
 from services.common.logging import bind
-from services.common.streaming import ClosingStreamingResponse
+from services.common.engine_wire import AdapterSpec, GenerateRequest
+from services.common.streaming import ClosingStreamingResponse, unless_disconnected
 from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Usage
 from services.common.openai_serving import OpenAIPlan, collect, merge, plan_request_async, stream_sse
 from services.common.wire import CLAMPED_HEADER, EngineUnavailable, InvalidRequest
@@ -167,51 +168,12 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     client_id = request.headers.get("x-client-request-id") or request.headers.get("x-request-id")
     client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
     bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
-    try:
-        reservation = await gw.quotas.reserve(request_id, principal.quota_scopes(), plan.worst_case_tokens,
-                                              concurrency=len(plan.jobs))  # one engine sequence per choice
-    except QuotaExceeded as exc:
-        gw.metrics.quota_rejections.labels(reason=exc.window).inc()
-        if exc.is_budget:
-            raise InsufficientQuotaError(
-                "You exceeded your monthly token budget; raise the budget or wait for the next month.",
-                headers=exc.headers) from None
-        raise RateLimitError(exc.message, code="rate_limit_exceeded", headers=exc.headers) from None
-    except QuotaUnavailable as exc:
-        gw.metrics.quota_rejections.labels(reason="quota_store_down").inc()
-        raise ServiceUnavailableError(f"Quota service unavailable ({exc}); requests are refused until it returns.",
-                                      code="quota_unavailable") from None
-
+    reservation = await _reserve(gw, principal, plan, request_id)
     call = _Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
                  [StreamResult() for _ in plan.jobs])
     headers = {"x-request-id": request_id, **reservation.headers}
     try:
-        engines = await gw.registry.engines(resolved.base.name)
-        if not engines:
-            raise NoEngineAvailable(f"no engine is serving {resolved.base.name}")
-        adapter = resolved.adapter
-        affinity = adapter.content_sha256.encode() if adapter else (principal.cache_salt + repr(plan.jobs[0].prompt_ids[:32])).encode()
-        order = gw.router.order(engines, affinity, adapter.content_sha256 if adapter else None)
-        streams = []
-        first_of_prompt: set[int] = set()
-        for job, result in zip(plan.jobs, call.results):
-            counts_prompt = id(job.prompt_ids) not in first_of_prompt
-            first_of_prompt.add(id(job.prompt_ids))
-            payload = {
-                "request_id": request_id if len(plan.jobs) == 1 else f"{request_id}.{job.index}",
-                "prompt_token_ids": job.prompt_ids,
-                "sampling": _sampling_dict(job.params),
-                "priority": req.priority_class.name.lower(),
-                "cache_salt": principal.cache_salt,
-                # Fair sharing on the engines: who it is for and its plan's weight (never client-set).
-                "tenant": str(principal.tenant_id),
-                "weight": gw.settings.plan_weight(principal.plan),
-                "client_request_id": client_id,
-                "adapter": ({"content_id": adapter.content_sha256, "name": f"{adapter.name}@{adapter.version}",
-                             "uri": adapter.storage_uri} if adapter else None),
-            }
-            streams.append(_choice(gw, order, payload, job.index, result, counts_prompt))
-        items = merge(streams)
+        items = merge(await _open_streams(call, req))
         first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
         clamped = next((r.clamped_max_tokens for r in call.results if r.clamped_max_tokens), None)
         if clamped:  # the engine clamped this batch-class request's max_tokens under overload
@@ -220,30 +182,12 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
         status, http_status, code = _failure(exc)
         await call.finalize(status, http_status, code)
         raise _as_api_error(exc, gw) from None
-
+    response_id = _response_id(kind, request_id)
     if req.stream:
-        async def body() -> AsyncIterator[bytes]:
-            outcome = ["cancelled", 499, "client_disconnected"]
-
-            def failed(exc: BaseException) -> None:  # the stream ends with an error event
-                gw.metrics.upstream_errors.labels(kind="stream").inc()
-                outcome[:] = _failure(exc)
-                log.warning("stream %s failed: %s", request_id, exc)
-
-            try:
-                async for chunk in stream_sse(plan, _response_id(kind, request_id), req.model, _prepend(first, items),
-                                              on_sent=call.sent, on_error=failed):
-                    yield chunk
-                if outcome[0] == "cancelled":
-                    call.delivered = True
-                    outcome[:] = ["ok", 200, None]
-            finally:
-                await call.finalize(*outcome)
-
-        return ClosingStreamingResponse(body(), media_type="text/event-stream", headers=headers)
-
+        return ClosingStreamingResponse(_sse_body(call, response_id, req.model, _prepend(first, items)),
+                                         media_type="text/event-stream", headers=headers)
     try:
-        body, _ = await _unless_disconnected(request, collect(plan, _response_id(kind, request_id), req.model, _prepend(first, items)))
+        body, _ = await unless_disconnected(request, collect(plan, response_id, req.model, _prepend(first, items)))
     except BaseException as exc:
         status, http_status, code = _failure(exc)
         await call.finalize(status, http_status, code)
@@ -256,9 +200,84 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     return ORJSONResponse(body, headers=headers, background=BackgroundTask(call.finalize, "ok", 200))
 
 
-def _choice(gw, order, payload, index: int, result: StreamResult, counts_prompt: bool):
+async def _reserve(gw, principal, plan: OpenAIPlan, request_id: str) -> Reservation:
+    """Hold the request's worst-case tokens and one concurrency slot per choice, or refuse it (429/503)."""
+    try:
+        return await gw.quotas.reserve(request_id, principal.quota_scopes(), plan.worst_case_tokens,
+                                       concurrency=len(plan.jobs))  # one engine sequence per choice
+    except QuotaExceeded as exc:
+        gw.metrics.quota_rejections.labels(reason=exc.window).inc()
+        if exc.is_budget:
+            raise InsufficientQuotaError(
+                "You exceeded your monthly token budget; raise the budget or wait for the next month.",
+                headers=exc.headers) from None
+        raise RateLimitError(exc.message, code="rate_limit_exceeded", headers=exc.headers) from None
+    except QuotaUnavailable as exc:
+        gw.metrics.quota_rejections.labels(reason="quota_store_down").inc()
+        raise ServiceUnavailableError(f"Quota service unavailable ({exc}); requests are refused until it returns.",
+                                      code="quota_unavailable") from None
+
+
+async def _open_streams(call: _Call, req) -> list[AsyncIterator]:
+    """One engine stream per choice, each trying the engines in the router's order for this request."""
+    gw, plan, principal = call.gw, call.plan, call.principal
+    engines = await gw.registry.engines(call.resolved.base.name)
+    if not engines:
+        raise NoEngineAvailable(f"no engine is serving {call.resolved.base.name}")
+    adapter = call.resolved.adapter
+    affinity = adapter.content_sha256.encode() if adapter else (principal.cache_salt + repr(plan.jobs[0].prompt_ids[:32])).encode()
+    order = gw.router.order(engines, affinity, adapter.content_sha256 if adapter else None)
+    streams = []
+    first_of_prompt: set[int] = set()
+    for job, result in zip(plan.jobs, call.results):
+        counts_prompt = id(job.prompt_ids) not in first_of_prompt
+        first_of_prompt.add(id(job.prompt_ids))
+        rid = call.request_id if len(plan.jobs) == 1 else f"{call.request_id}.{job.index}"
+        wire = _wire_request(gw, principal, req, job, adapter, rid, call.client_request_id)
+        streams.append(_choice(gw, order, wire, job.index, result, counts_prompt))
+    return streams
+
+
+async def _sse_body(call: _Call, response_id: str, model: str, items: AsyncIterator) -> AsyncIterator[bytes]:
+    """The SSE stream; the request is settled and metered however it ends (done, failed, hung up)."""
+    gw = call.gw
+    outcome = ["cancelled", 499, "client_disconnected"]
+
+    def failed(exc: BaseException) -> None:  # the stream ends with an error event
+        gw.metrics.upstream_errors.labels(kind="stream").inc()
+        outcome[:] = _failure(exc)
+        log.warning("stream %s failed: %s", call.request_id, exc)
+
+    try:
+        async for chunk in stream_sse(call.plan, response_id, model, items, on_sent=call.sent, on_error=failed):
+            yield chunk
+        if outcome[0] == "cancelled":
+            call.delivered = True
+            outcome[:] = ["ok", 200, None]
+    finally:
+        await call.finalize(*outcome)
+
+
+def _wire_request(gw, principal, req, job, adapter, request_id: str, client_id: str | None) -> GenerateRequest:
+    """One choice as the engine's GenerateRequest, from values the gateway already validated."""
+    return GenerateRequest.model_construct(
+        request_id=request_id,
+        prompt_token_ids=job.prompt_ids,
+        sampling=job.params,
+        priority=req.priority_class.name.lower(),
+        cache_salt=principal.cache_salt,
+        # Fair sharing on the engines: who it is for and its plan's weight (never client-set).
+        tenant=str(principal.tenant_id),
+        weight=gw.settings.plan_weight(principal.plan),
+        client_request_id=client_id,
+        adapter=(AdapterSpec.model_construct(content_id=adapter.content_sha256, name=f"{adapter.name}@{adapter.version}",
+                                             uri=adapter.storage_uri) if adapter else None),
+    )
+
+
+def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, counts_prompt: bool):
     async def gen():
-        async for delta, usage in open_choice(gw.http, gw.router, order, payload, index, result, time.monotonic):
+        async for delta, usage in open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic):
             if usage is not None and not counts_prompt:
                 usage = Usage(0, usage.completion_tokens, 0)  # a prompt counts once, however many choices it has
             yield delta, usage
@@ -273,13 +292,6 @@ async def _prepend(first, items: AsyncIterator) -> AsyncIterator:
             yield item
     finally:
         await items.aclose()
-
-
-def _sampling_dict(params) -> dict[str, Any]:
-    d = dataclasses.asdict(params)
-    d["stop"] = list(d["stop"])
-    d["stop_token_ids"] = list(d["stop_token_ids"])
-    return d
 
 
 def _response_id(kind: str, request_id: str) -> str:
@@ -324,19 +336,3 @@ def _as_api_error(exc: BaseException, gw) -> BaseException:
         gw.metrics.upstream_errors.labels(kind="stream").inc()
         return ServiceUnavailableError(exc.message, code=exc.code, headers={"retry-after": "1"})
     return exc
-
-
-async def _unless_disconnected(request: Request, coro):
-    """Run a non-streaming generation; if the client hangs up, cancel it (which aborts upstream)."""
-    task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            raise asyncio.CancelledError("client disconnected")

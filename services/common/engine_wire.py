@@ -1,0 +1,133 @@
+"""The engine's internal stream, one owner for both sides: the request the gateway sends to
+`GENERATE_PATH` and the NDJSON lines the engine streams back, as typed models.
+
+The gateway builds a `GenerateRequest` from values it has already validated (`SamplingParams` checks
+itself, whoever builds it) and the engine validates what arrives (it trusts no caller: the endpoint is
+authenticated, not assumed correct). Each stream line is one `StreamItem`: the tokens of one step; the
+last adds `usage`; a failure mid-stream is an item with `error` and whose fault it was.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+from typing_extensions import TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
+
+from services.common.wire import FAULT_ENGINE, FAULT_REQUEST, EngineUnavailable, InvalidRequest, SamplingParams
+
+GENERATE_PATH = "/internal/v1/generate"
+# The wire's version, sent by the gateway in WIRE_HEADER (absent: 1). An engine refuses a version it does not
+# speak as its own fault (EngineUnavailable), so during a rolling upgrade the gateway tries the next engine.
+WIRE_VERSION = 1
+WIRE_HEADER = "x-mplex-wire"
+_ID = r"^[A-Za-z0-9._:-]+$"
+
+
+def check_wire_version(value: str | None) -> None:
+    if value is not None and value.strip() != str(WIRE_VERSION):
+        raise EngineUnavailable(f"this engine speaks engine wire v{WIRE_VERSION}, not {value[:16]!r}",
+                                code="wire_version_unsupported")
+
+
+# SamplingParams checks itself (one set of rules for both services); pydantic only hands it the JSON object.
+WireSampling = Annotated[
+    SamplingParams,
+    PlainValidator(SamplingParams.from_wire, json_schema_input_type=dict),
+    PlainSerializer(SamplingParams.to_wire, return_type=dict),
+]
+
+
+class AdapterSpec(BaseModel):
+    """Which adapter: its content id (never its name) and where the engine may fetch it from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    content_id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    name: str = Field(default="", max_length=300)
+    uri: str | None = Field(default=None, max_length=4096)
+
+
+class GenerateRequest(BaseModel):
+    """One choice of one request, already tokenized and authorized by the gateway."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=200, pattern=_ID)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: WireSampling = Field(default_factory=SamplingParams)
+    priority: str | int | None = None
+    cache_salt: str = Field(default="", max_length=256, pattern=r"^[\x21-\x7e]*$")
+    adapter: AdapterSpec | None = None
+    client_request_id: str | None = Field(default=None, max_length=128, pattern=_ID)
+    # Who the request is for and its plan's share weight: set by the gateway from the authenticated key,
+    # never by a client (this endpoint needs the platform credential). Fair sharing and per-tenant metrics.
+    tenant: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9._:-]*$")
+    weight: float = Field(default=1.0, gt=0, le=1000)
+
+    def encode(self) -> bytes:
+        return self.model_dump_json(exclude_defaults=True).encode()
+
+
+class TopLogprob(TypedDict):
+    token: str
+    token_id: int
+    logprob: float | None  # -inf (a token top-k or a grammar masked out) travels as null, as OpenAI sends it
+
+
+class LogprobItem(TypedDict):
+    """One generated token's logprob and its top alternatives (plain dicts on both sides: OpenAI's shape)."""
+
+    token: str
+    token_id: int
+    logprob: float | None
+    top: list[TopLogprob]
+
+
+class StreamUsage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    compute_seconds: float = 0.0
+    engine_id: str = ""
+
+
+class StreamError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class StreamItem(BaseModel):
+    """One NDJSON line: a step's tokens (text held back for stop strings may come later), or the end."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[LogprobItem] | None = None
+    finish_reason: str | None = None
+    usage: StreamUsage | None = None  # on the last line
+    error: StreamError | None = None  # the request failed mid-stream (and this is the last line)
+    fault: str | None = None  # with `error`: FAULT_REQUEST or FAULT_ENGINE
+
+    def encode(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes) -> StreamItem:
+        return cls.model_validate_json(line)
+
+    @classmethod
+    def failure(cls, exc: InvalidRequest | EngineUnavailable) -> StreamItem:
+        if isinstance(exc, InvalidRequest):
+            error = StreamError(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code)
+            return cls(error=error, fault=FAULT_REQUEST)
+        return cls(error=StreamError(message=exc.message, type="server_error", code=exc.code), fault=FAULT_ENGINE)
+
+    def raise_error(self) -> None:
+        """The failure this item carries, as the exception both services share."""
+        err = self.error
+        assert err is not None
+        if self.fault == FAULT_ENGINE:
+            raise EngineUnavailable(err.message, code=err.code or "engine_unavailable")
+        raise InvalidRequest(err.message, err.param, err.code, 500 if err.type == "server_error" else 400)
