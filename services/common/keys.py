@@ -25,8 +25,8 @@ _KEY_LIKE_RE = re.compile(rf"{KEY_TAG}_([0-9A-Za-z]{{{PREFIX_LEN}}})_[0-9A-Za-z]
 
 # Scopes a key may carry; the gateway checks them per endpoint.
 SCOPE_INFERENCE = "inference"  # /v1/chat/completions, /v1/completions, /v1/models
-SCOPE_USAGE_READ = "usage:read"  # usage and spend queries with the key instead of a web session
-SCOPE_ADAPTERS_WRITE = "adapters:write"  # upload adapters from CI (`mplex adapters upload`)
+SCOPE_USAGE_READ = "usage:read"  # GET /api/tenant/usage, /usage/keys, /requests/{id}, /spend with the key
+SCOPE_ADAPTERS_WRITE = "adapters:write"  # POST /api/tenant/adapters with the key (uploads from CI)
 ALL_SCOPES = frozenset({SCOPE_INFERENCE, SCOPE_USAGE_READ, SCOPE_ADAPTERS_WRITE})
 DEFAULT_SCOPES = (SCOPE_INFERENCE,)
 

@@ -31,6 +31,7 @@ log = logging.getLogger("mplex.gateway.auth")
 
 SESSION_COOKIE = "mplex_session"
 CSRF_HEADER = "x-csrf-token"
+KEY_ROLE = "api_key"  # the role of a SessionPrincipal that is an API key (not a user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +189,19 @@ class KeyAuth:
 # -- web sessions ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SessionPrincipal:
-    user_id: uuid.UUID
+    """Who calls the management API: a signed-in user, or (on the few routes a key scope opens, see
+    services.gateway.deps.session_or_key) an API key of a tenant, with `key_id` set and no user."""
+
+    user_id: uuid.UUID | None
     email: str
     role: str
     tenant_id: uuid.UUID | None
     session_id: str
+    key_id: uuid.UUID | None = None
+
+    @classmethod
+    def of_key(cls, key: KeyPrincipal) -> SessionPrincipal:
+        return cls(None, "", KEY_ROLE, key.tenant_id, "", key.key_id)
 
 
 def _csrf_for(secret_key: str, token: str) -> str:

@@ -6,8 +6,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from services.common.errors import AuthenticationError, PermissionDeniedError
+from services.common.keys import SCOPE_ADAPTERS_WRITE, SCOPE_USAGE_READ
 from services.gateway.auth import CSRF_HEADER, SESSION_COOKIE, SessionPrincipal, check_csrf, load_session
 from services.gateway.state import Gateway
 
@@ -43,11 +45,32 @@ def current_user(request: Request, gw: GatewayDep, db: SessionDep) -> SessionPri
 CurrentUser = Annotated[SessionPrincipal, Depends(current_user)]
 
 
+def _check_role(user: SessionPrincipal, roles: tuple[str, ...]) -> SessionPrincipal:
+    if user.role not in roles:
+        raise PermissionDeniedError(f"This needs one of the roles: {', '.join(roles)}.", code="role_required")
+    return user
+
+
 def require_roles(*roles: str) -> Callable[[SessionPrincipal], SessionPrincipal]:
     def check(user: CurrentUser) -> SessionPrincipal:
-        if user.role not in roles:
-            raise PermissionDeniedError(f"This needs one of the roles: {', '.join(roles)}.", code="role_required")
-        return user
+        return _check_role(user, roles)
+
+    return check
+
+
+def session_or_key(scope: str, *roles: str):
+    """A signed-in user with one of `roles`, or -- sent as `Authorization: Bearer mpx_...` -- an API key with
+    `scope`, acting for its own tenant (scripts and CI: no session, no CSRF, since a header is not ambient
+    authority the way a cookie is)."""
+
+    async def check(request: Request, gw: GatewayDep, db: SessionDep) -> SessionPrincipal:
+        authorization = request.headers.get("authorization")
+        if authorization is None:
+            return _check_role(await run_in_threadpool(current_user, request, gw, db), roles)
+        key = await gw.key_auth.authenticate(authorization)
+        if scope not in key.scopes:
+            raise PermissionDeniedError(f"This API key does not have the scope {scope}.", code="missing_scope")
+        return SessionPrincipal.of_key(key)
 
     return check
 
@@ -56,3 +79,6 @@ TenantUser = Annotated[SessionPrincipal, Depends(require_roles("tenant_member", 
 TenantAdmin = Annotated[SessionPrincipal, Depends(require_roles("tenant_admin"))]
 PlatformAdmin = Annotated[SessionPrincipal, Depends(require_roles("platform_admin"))]
 FinanceUser = Annotated[SessionPrincipal, Depends(require_roles("finance", "platform_admin"))]
+# Routes a key scope opens as well as a session (services.common.keys; docs/api.md, "API keys").
+UsageReader = Annotated[SessionPrincipal, Depends(session_or_key(SCOPE_USAGE_READ, "tenant_member", "tenant_admin"))]
+AdapterWriter = Annotated[SessionPrincipal, Depends(session_or_key(SCOPE_ADAPTERS_WRITE, "tenant_admin"))]

@@ -4,7 +4,7 @@
 - Tenant-scoped endpoints called by tenant A with tenant B's ids answer 404, byte-for-byte like an id that
   does not exist, leak none of B's identifiers, and leave B untouched.
 - Tenant-scoped listings show nothing of B.
-- Every /api/tenant/... and /api/admin/... route in the app must have a row here (a new endpoint fails
+- Every /api/tenant/..., /api/admin/... and /api/finance/... route in the app must have a row here (a new endpoint fails
   `test_every_management_route_is_in_the_matrix` until it is added).
 
 To add an endpoint: one `Endpoint(...)` row in ENDPOINTS.
@@ -32,7 +32,7 @@ TENANT = ("tenant_member", "tenant_admin")
 TENANT_ADMIN = ("tenant_admin",)
 PLATFORM = ("platform_admin",)
 FINANCE = ("finance", "platform_admin")
-MANAGEMENT_PREFIXES = ("/api/tenant", "/api/admin")
+MANAGEMENT_PREFIXES = ("/api/tenant", "/api/admin", "/api/finance")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,6 @@ class Endpoint:
     target: str | None = None  # what {id} names: key | version | adapter | tenant | request
     tenant_scoped: bool = True  # ids are the caller's tenant's only (another tenant's = 404)
     body: dict | None = None  # a valid body: if a check failed open, the call would act
-    required: bool = True  # False: another engineer's route, checked once it exists
 
     def __str__(self) -> str:
         return f"{self.method} {self.path}"
@@ -59,8 +58,8 @@ ENDPOINTS = [
     Endpoint("GET", "/api/tenant/adapter-versions/{id}", TENANT, target="version"),
     Endpoint("GET", "/api/tenant/storage", TENANT),
     # tenant usage (billing, api/tenant_usage.py) and uploads (adapters)
-    Endpoint("GET", "/api/tenant/usage", TENANT, required=False),
-    Endpoint("GET", "/api/tenant/spend", TENANT, required=False),
+    Endpoint("GET", "/api/tenant/usage", TENANT),
+    Endpoint("GET", "/api/tenant/spend", TENANT),
     Endpoint("POST", "/api/tenant/adapters", TENANT_ADMIN),
     # the web app's breakdowns and playground (api/tenant_usage.py, api/playground.py)
     Endpoint("GET", "/api/tenant/usage/keys", TENANT),
@@ -85,10 +84,10 @@ ENDPOINTS = [
     Endpoint("GET", "/api/admin/engines", PLATFORM, tenant_scoped=False),
     Endpoint("GET", "/api/admin/engines/history", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants/{id}/adapters", PLATFORM, "tenant", False),
-    # finance (another engineer's): role checks only
-    Endpoint("GET", "/api/finance/report", FINANCE, tenant_scoped=False, required=False),
-    Endpoint("GET", "/api/finance/report.csv", FINANCE, tenant_scoped=False, required=False),
-    Endpoint("GET", "/api/finance/trend", FINANCE, tenant_scoped=False, required=False),
+    # finance (api/finance.py): role checks only
+    Endpoint("GET", "/api/finance/report", FINANCE, tenant_scoped=False),
+    Endpoint("GET", "/api/finance/report.csv", FINANCE, tenant_scoped=False),
+    Endpoint("GET", "/api/finance/trend", FINANCE, tenant_scoped=False),
 ]
 
 
@@ -118,14 +117,8 @@ def app_routes(app) -> set[tuple[str, str]]:
     return found
 
 
-def _present(gateway, ep: Endpoint) -> bool:
-    return (ep.method, ep.path) in app_routes(gateway.app)
-
-
-def _skip_if_absent(gateway, ep: Endpoint) -> None:
-    if not _present(gateway, ep):
-        assert not ep.required, f"{ep} is in the matrix but the app does not serve it"
-        pytest.skip(f"{ep} is not implemented yet")
+def _assert_served(gateway, ep: Endpoint) -> None:
+    assert (ep.method, ep.path) in app_routes(gateway.app), f"{ep} is in the matrix but the app does not serve it"
 
 
 def _ids(tw) -> dict[str, str]:
@@ -170,7 +163,7 @@ def test_every_management_route_is_in_the_matrix(gateway):
     covered = {(e.method, e.path) for e in ENDPOINTS}
     missing = sorted(served - covered)
     assert not missing, f"management routes with no row in the BOLA matrix: {missing}"
-    stale = [str(e) for e in ENDPOINTS if e.required and (e.method, e.path) not in served]
+    stale = [str(e) for e in ENDPOINTS if (e.method, e.path) not in served]
     assert not stale, f"matrix rows for routes the app does not serve: {stale}"
 
 
@@ -183,7 +176,7 @@ def test_route_enumeration_sees_included_routers(gateway):
 
 @pytest.mark.parametrize("ep", ENDPOINTS, ids=str)
 def test_anonymous_is_401(gateway, browser, world, ep, untouched):
-    _skip_if_absent(gateway, ep)
+    _assert_served(gateway, ep)
     r = _call(browser(), ep, _ids(world.b).get(ep.target))
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "not_signed_in"
@@ -193,7 +186,7 @@ def test_anonymous_is_401(gateway, browser, world, ep, untouched):
 @pytest.mark.parametrize("ep", ENDPOINTS, ids=str)
 def test_roles(gateway, browser, world, ep, role, untouched):
     """A role not allowed is refused before anything happens, whoever's ids it names."""
-    _skip_if_absent(gateway, ep)
+    _assert_served(gateway, ep)
     allowed = role in ep.roles
     if allowed and ep.method != "GET":
         pytest.skip("allowed writes act for real: tests/gateway/test_{tenant,admin}_api.py cover them")
@@ -214,7 +207,7 @@ TENANT_ID_ENDPOINTS = [e for e in ENDPOINTS if e.tenant_scoped and e.target is n
 @pytest.mark.parametrize("role", TENANT)
 @pytest.mark.parametrize("ep", TENANT_ID_ENDPOINTS, ids=str)
 def test_other_tenants_ids_are_404_like_missing_ones(gateway, browser, world, ep, role, untouched):
-    _skip_if_absent(gateway, ep)
+    _assert_served(gateway, ep)
     if role not in ep.roles:
         pytest.skip("role refused before any lookup (test_roles)")
     api = browser(world.email(role))
@@ -240,7 +233,7 @@ TENANT_LISTINGS = [e for e in ENDPOINTS if e.tenant_scoped and e.target is None 
 @pytest.mark.parametrize("role", TENANT)
 @pytest.mark.parametrize("ep", TENANT_LISTINGS, ids=str)
 def test_tenant_listings_show_nothing_of_other_tenants(gateway, browser, world, ep, role, untouched):
-    _skip_if_absent(gateway, ep)
+    _assert_served(gateway, ep)
     r = _call(browser(world.email(role)), ep)
     assert r.status_code == 200, r.text
     for marker in world.b.markers():

@@ -30,7 +30,7 @@ from services.adapters.upload import pack_files, upload_adapter
 from services.common.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from services.gateway.api.auth import actor_of
 from services.gateway.auth import SessionPrincipal
-from services.gateway.deps import GatewayDep, PlatformAdmin, SessionDep, TenantAdmin
+from services.gateway.deps import AdapterWriter, GatewayDep, PlatformAdmin, SessionDep
 from services.gateway.state import Gateway
 
 log = logging.getLogger("mplex.gateway.adapters")
@@ -308,7 +308,7 @@ async def admin_upload(tenant_id: uuid.UUID, request: Request, user: PlatformAdm
 
 @router.post("/api/tenant/adapters", status_code=202, response_model=UploadOut, responses=_RESPONSES,
              openapi_extra=_UPLOAD_BODY)
-async def tenant_upload(request: Request, user: TenantAdmin, gw: GatewayDep, db: SessionDep):
-    """Upload an adapter version for the caller's own tenant (tenant_admin)."""
-    assert user.tenant_id is not None  # tenant roles always have a tenant
+async def tenant_upload(request: Request, user: AdapterWriter, gw: GatewayDep, db: SessionDep):
+    """Upload an adapter version for the caller's own tenant (tenant_admin, or an API key with adapters:write)."""
+    assert user.tenant_id is not None  # tenant roles and keys always have a tenant
     return await _upload(request, gw, db, user, user.tenant_id)

@@ -22,7 +22,8 @@ from services.common.ids import new_request_id
 from services.common.models import Tenant, User
 from services.common.passwords import MAX_LENGTH, WeakPassword, hash_password, needs_rehash, verify_password
 from services.gateway.auth import CSRF_HEADER, SESSION_COOKIE, SessionPrincipal, check_csrf, create_session, load_session, revoke_session
-from services.gateway.crud import Actor, revoke_playground_keys
+from services.common.audit import Actor
+from services.gateway.crud import revoke_playground_keys
 from services.gateway.deps import GatewayDep, SessionDep
 from services.gateway.api.views import SessionOut, user_out
 from services.gateway.state import Gateway
@@ -45,7 +46,8 @@ def client_ip(request: Request) -> str | None:
 
 def actor_of(request: Request, user: SessionPrincipal) -> Actor:
     """The audit identity of a signed-in user's request."""
-    return Actor(user_id=user.user_id, request_id=new_request_id(), ip=client_ip(request))
+    return Actor(user_id=user.user_id, request_id=new_request_id(), ip=client_ip(request),
+                 via="api" if user.key_id is None else f"api_key:{user.key_id}")
 
 
 def drop_cached_keys(gw: Gateway, key_hashes: list[str]) -> None:

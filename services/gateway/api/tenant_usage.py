@@ -24,7 +24,7 @@ from services.billing.statements import adapter_labels
 from services.billing.usage import UsageQueryError, parse_group_by, parse_period, tenant_spend, tenant_usage
 from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.models import Tenant, UsageEvent
-from services.gateway.deps import GatewayDep, SessionDep, TenantUser
+from services.gateway.deps import GatewayDep, SessionDep, UsageReader
 from services.gateway.quotas import Limits, Scope
 
 router = APIRouter(prefix="/api/tenant", tags=["tenant"])
@@ -81,13 +81,13 @@ class RequestRecordOut(BaseModel):
 
 
 def _tenant(user) -> uuid.UUID:
-    assert user.tenant_id is not None  # tenant roles always carry a tenant (users CHECK constraint)
+    assert user.tenant_id is not None  # tenant roles and keys always carry a tenant (users CHECK constraint)
     return user.tenant_id
 
 
 @router.get("/usage")
 def usage(
-    user: TenantUser,
+    user: UsageReader,
     db: SessionDep,
     gw: GatewayDep,
     from_: Annotated[str | None, Query(alias="from", description="First day (UTC), YYYY-MM-DD; default: month start")] = None,
@@ -104,7 +104,7 @@ def usage(
 
 
 @router.get("/usage/keys", response_model=KeyUsageOut, responses=_ERRORS)
-def usage_per_key(user: TenantUser, db: SessionDep, gw: GatewayDep, from_: FromQuery = None, to: ToQuery = None):
+def usage_per_key(user: UsageReader, db: SessionDep, gw: GatewayDep, from_: FromQuery = None, to: ToQuery = None):
     """Requests, tokens and billed amount per API key of the caller's tenant (revoked keys included)."""
     config = BillingConfig.from_settings(gw.settings)
     try:
@@ -123,7 +123,7 @@ RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 
 @router.get("/requests/{request_id}", response_model=RequestRecordOut, responses={**_ERRORS, 404: {}})
-def get_request(request_id: str, user: TenantUser, db: SessionDep):
+def get_request(request_id: str, user: UsageReader, db: SessionDep):
     """One of the tenant's requests by its id (`x-request-id`, or the response's `id`), once it is in the ledger
     (a moment after the response ends). Another tenant's request is a 404 like a missing one."""
     rid = request_id[:200]
@@ -148,7 +148,7 @@ def get_request(request_id: str, user: TenantUser, db: SessionDep):
 
 
 @router.get("/spend")
-async def spend(user: TenantUser, db: SessionDep, gw: GatewayDep) -> dict:
+async def spend(user: UsageReader, db: SessionDep, gw: GatewayDep) -> dict:
     tenant_id = _tenant(user)
     config = BillingConfig.from_settings(gw.settings)
     s = await run_in_threadpool(tenant_spend, db, config, tenant_id=tenant_id)
