@@ -56,10 +56,10 @@ def _database(server_url: str):
     """A fresh database on the server; returns (url, drop())."""
     from sqlalchemy import make_url, text
 
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
 
     server = make_url(server_url)
-    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False), pool_size=1, max_overflow=0,
+    admin = make_db_engine(server.set(database="postgres").render_as_string(hide_password=False), pool_size=1, max_overflow=0,
                         isolation_level="AUTOCOMMIT")
     name = f"mplex_bench_adapters_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
@@ -112,13 +112,13 @@ def measure_ingest(kit, home: Path, db_url: str, redis_url: str, broker_url: str
     from services.adapters.cli import upload_path
     from services.adapters.tasks import enqueue_ingest
     from services.adapters.upload import private_dir
-    from services.common.db import make_engine, make_sessionmaker
+    from services.common.db import make_db_engine, make_sessionmaker
     from services.common.models import AdapterStatus, AdapterVersion, EvalRun, Tenant
     from services.common.settings import Settings
 
     settings = Settings(home=home, database_url=db_url, redis_url=redis_url, broker_url=broker_url,
                         base_model_dir=Path(kit.base_dir), base_model_name=kit.model_name)
-    engine = make_engine(db_url, pool_size=2, max_overflow=0)
+    engine = make_db_engine(db_url, pool_size=2, max_overflow=0)
     factory = make_sessionmaker(engine)
     with factory() as s:
         tenant = Tenant(name="Bench adapters", slug=f"bench-adapters-{uuid.uuid4().hex[:6]}")
@@ -266,7 +266,7 @@ def _ref(stored, name: str):
 
 
 def main() -> None:
-    from services.common.db import reset_engine
+    from services.common.db import reset_db_engine
     from services.common.embedded import embedded_services
     from services.common.migrate import upgrade
     from services.common.settings import Settings, get_settings
@@ -283,7 +283,7 @@ def main() -> None:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # this process's Celery client and settings use the scratch services
         get_settings.cache_clear()
-        reset_engine()
+        reset_db_engine()
         worker = None
         try:
             import redis
@@ -306,7 +306,7 @@ def main() -> None:
                 else:
                     os.environ[k] = v
             get_settings.cache_clear()
-            reset_engine()
+            reset_db_engine()
             drop()
         cold = measure_cold_loads(kit, home / "cold")
     write_results("adapters", {"demo_adapters": sorted(kit.adapters), "rounds": ROUNDS, **ingest, **cold}, [

@@ -28,12 +28,12 @@ def _database():
     """A fresh database on the configured or embedded server; returns (url, drop())."""
     from sqlalchemy import make_url, text
 
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
     from services.common.embedded import resolve_urls
     from services.common.settings import Settings
 
     server = make_url(resolve_urls(Settings()).database_url)
-    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False), pool_size=1, max_overflow=0,
+    admin = make_db_engine(server.set(database="postgres").render_as_string(hide_password=False), pool_size=1, max_overflow=0,
                         isolation_level="AUTOCOMMIT")
     name = f"mplex_bench_billing_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
@@ -137,11 +137,11 @@ def main() -> None:
     from services.billing.reports import build_report, month_period, report_csv, report_json_bytes
     from services.billing.rollup import rollup_pending
     from services.billing.statements import issue_statements
-    from services.common.db import make_engine, make_sessionmaker
+    from services.common.db import make_db_engine, make_sessionmaker
     from services.common.migrate import upgrade
 
     url, drop = _database()
-    engine = make_engine(url, pool_size=2, max_overflow=0)
+    engine = make_db_engine(url, pool_size=2, max_overflow=0)
     try:
         upgrade(url)
         factory = make_sessionmaker(engine)

@@ -83,12 +83,12 @@ def stop_procs(procs: list[subprocess.Popen]) -> None:
 def _seed_key(database_url: str) -> str:
     from sqlalchemy.orm import Session
 
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
     from services.common.keys import generate_key
     from services.common.models import ApiKey, Tenant, TenantLimits
 
     new = generate_key()
-    with Session(make_engine(database_url)) as s:
+    with Session(make_db_engine(database_url)) as s:
         t = Tenant(name="bench", slug=f"bench-{uuid.uuid4().hex[:8]}", plan="default")
         s.add(t)
         s.flush()

@@ -3,7 +3,7 @@
 1. Capacity: bytes per token slot (all layers, K and V, fp8 scales included) of an fp8, a bf16 and an fp32
    KV cache for the demo model and for a Llama-3-8B-shaped model (32 layers, 8 kv heads of 128), as tokens
    per MiB.
-2. Agreement: the fp8 KV gate (services/adapters/kv_gate.py) on every demo eval set -- the base set on the
+2. Agreement: the fp8 KV gate (services/engine/kv_gate.py) on every demo eval set -- the base set on the
    base model, each adapter's 200 held-out items with its adapter -- fp32 compute and weights, greedy.
 3. Throughput: the engine benchmark's workload (bench/engine_bench.py: 240 mixed requests at once), output
    tok/s with the fp32 and the fp8 KV cache, same run, alternating A/B repetitions on fresh engines; once
@@ -245,7 +245,7 @@ def _scale_raises(recorded, num_blocks: int, shape, bs: int) -> dict:
 
 
 def main() -> None:
-    from services.adapters.kv_gate import check_fp8_kv, demo_eval_sets
+    from services.engine.kv_gate import check_fp8_kv, demo_eval_sets
     from services.modelkit import ensure_demo
 
     # One thread: the change fp32 -> fp8 is what is measured, and a second OpenMP thread on the shared 2-core VM

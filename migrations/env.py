@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import text
 
-from services.common.db import make_engine
+from services.common.db import make_db_engine
 from services.common.models import Base
 
 # Any constant works; it only has to be the same for every process migrating this database.
@@ -28,12 +28,12 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = make_engine(_database_url(), pool_size=1, max_overflow=0)
+    db_engine = make_db_engine(_database_url(), pool_size=1, max_overflow=0)
     try:
-        with engine.connect() as conn:
+        with db_engine.connect() as conn:
             _run(conn)
     finally:
-        engine.dispose()
+        db_engine.dispose()
 
 
 def _run(connection) -> None:

@@ -25,13 +25,7 @@ _GROUPS = {
 def _register() -> None:
     for name, target in _GROUPS.items():
         module, _, attr = target.partition(":")
-        try:
-            sub = getattr(importlib.import_module(module), attr or "app")
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        app.add_typer(sub, name=name)
+        app.add_typer(getattr(importlib.import_module(module), attr or "app"), name=name)
 
 
 _register()

@@ -64,11 +64,11 @@ def database_url(service_urls) -> Iterator[str]:
     """A new database for this session, migrated to head by Alembic (never create_all)."""
     from sqlalchemy import make_url, text
 
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
     from services.common.migrate import upgrade
 
     server = make_url(service_urls.database_url)
-    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False),
+    admin = make_db_engine(server.set(database="postgres").render_as_string(hide_password=False),
                         pool_size=1, max_overflow=0, isolation_level="AUTOCOMMIT")
     name = f"mplex_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     try:
@@ -79,9 +79,9 @@ def database_url(service_urls) -> Iterator[str]:
         url = server.set(database=name).render_as_string(hide_password=False)
         upgrade(url)
         yield url
-        from services.common.db import reset_engine
+        from services.common.db import reset_db_engine
 
-        reset_engine()
+        reset_db_engine()
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     finally:
@@ -124,24 +124,24 @@ def stack_env(service_urls, database_url: str, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="session")
 def settings(stack_env: dict[str, str]) -> Iterator:
     """The process's settings (get_settings()) pointed at the test services for the whole session."""
-    from services.common.db import reset_engine
+    from services.common.db import reset_db_engine
     from services.common.settings import get_settings
 
     with pytest.MonkeyPatch.context() as mp:
         for key, value in stack_env.items():
             mp.setenv(key, value)
         get_settings.cache_clear()
-        reset_engine()
+        reset_db_engine()
         yield get_settings()
-        reset_engine()
+        reset_db_engine()
         get_settings.cache_clear()
 
 
 @pytest.fixture(scope="session")
 def db_engine(database_url: str) -> Iterator:
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
 
-    engine = make_engine(database_url, pool_size=5, max_overflow=5)
+    engine = make_db_engine(database_url, pool_size=5, max_overflow=5)
     yield engine
     engine.dispose()
 

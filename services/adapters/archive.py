@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 from services.adapters.config import ArchiveLimits
 from services.common.adapter_files import ADAPTER_FILES, classify, sniff_content
-from services.common.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError
+from services.common.lora_format import AdapterFormatError
 
 _KEPT = ADAPTER_FILES
 _CHUNK = 1 << 20

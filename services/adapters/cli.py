@@ -39,7 +39,7 @@ def upload(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output"),
 ) -> None:
     """Upload an adapter version for a tenant; validation and the quality gate run on the workers."""
-    from services.adapters.upload import private_dir
+    from services.adapters.upload import private_dir, upload_from_path
     from services.common.errors import ApiError
     from services.common.settings import get_settings
 
@@ -47,7 +47,7 @@ def upload(
     name = name or default_name(path)
     with private_dir(settings.home / "sandbox", "cli-") as tmp:
         try:
-            result = upload_path(path, tenant=tenant, name=name, eval_set=eval_set.read_bytes() if eval_set else None,
+            result = upload_from_path(path, tenant=tenant, name=name, eval_set=eval_set.read_bytes() if eval_set else None,
                                  min_margin=min_margin, min_fp8_agreement=min_fp8_agreement, staging=tmp)
         except ApiError as exc:
             raise _fail(exc.message) from None
@@ -78,31 +78,6 @@ def default_name(path: Path) -> str:
         if name.lower().endswith(suffix):
             return name[: -len(suffix)]
     return name
-
-
-def upload_path(path: Path, *, tenant: str, name: str, eval_set: bytes | None, staging: Path,
-                min_margin: float | None = None, min_fp8_agreement: float | None = None, reuse_identical: bool = False,
-                settings=None, session_factory=None):
-    """The CLI's upload as a function (the seed uses it too): pack a directory, then `upload_adapter`."""
-    from services.adapters.base_model import base_model_dir, ensure_base_model
-    from services.adapters.config import PipelineConfig
-    from services.adapters.storage import ObjectStore
-    from services.adapters.upload import pack_dir, upload_adapter
-    from services.common.db import session_scope
-    from services.common.settings import get_settings
-    from services.gateway.crud import Actor, find_tenant
-
-    settings = settings or get_settings()
-    config = PipelineConfig.from_env()
-    archive = pack_dir(path, staging / "upload.tar") if path.is_dir() else path
-    with session_scope(session_factory) as s:
-        t = find_tenant(s, ref=tenant)
-        base = ensure_base_model(s, name=settings.base_model_name, model_dir=base_model_dir(settings),
-                                 max_lora_rank=config.max_lora_rank)
-        return upload_adapter(s, store=ObjectStore.from_settings(settings), config=config,
-                              sandbox_root=settings.home / "sandbox", base=base, tenant_id=t.id, name=name,
-                              upload=archive, actor=Actor.cli(), eval_set=eval_set, min_margin=min_margin,
-                              min_fp8_agreement=min_fp8_agreement, reuse_identical=reuse_identical)
 
 
 def _follow(version_id: uuid.UUID, *, quiet: bool, timeout_s: float = 3600) -> dict:

@@ -10,6 +10,8 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
+from services.engine.kv_gate import token_agreement  # noqa: F401 (the adapter gate's FP8 check uses it too)
+
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
@@ -58,16 +60,6 @@ def rouge_l(output: str, expected: str) -> float:
 
 
 SCORERS = {"exact_match": exact_match, "token_f1": token_f1, "rouge_l": rouge_l}
-
-
-def token_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
-    """Greedy token agreement of two runs over the same prompts: positions holding the same token,
-    over all positions of the longer output of each pair (an output that stops early disagrees on the rest)."""
-    same = total = 0
-    for x, y in zip(a, b, strict=True):
-        same += sum(1 for i, j in zip(x, y) if i == j)
-        total += max(len(x), len(y))
-    return same / total if total else 1.0
 
 
 def mean(values: Sequence[float]) -> float:

@@ -26,7 +26,7 @@ def seed_demo_adapters(*, tenant: str = "demo", kit=None, settings=None, session
     """Upload every demo adapter (`services.modelkit.ensure_demo().adapters`) for `tenant` (slug or id).
     `enqueue(version_id)` starts the pipeline (default: a Celery message to the ingest queue); a worker
     must be running for the versions to move on. Returns one entry per adapter, by name."""
-    from services.adapters.cli import upload_path
+    from services.adapters.upload import upload_from_path
     from services.adapters.upload import private_dir
     from services.common.settings import get_settings
 
@@ -41,7 +41,7 @@ def seed_demo_adapters(*, tenant: str = "demo", kit=None, settings=None, session
     with private_dir(settings.home / "sandbox", "seed-") as staging:
         for name, demo in sorted(kit.adapters.items()):
             eval_path = getattr(demo, "eval_path", None)
-            result = upload_path(Path(demo.path), tenant=tenant, name=name, staging=staging,
+            result = upload_from_path(Path(demo.path), tenant=tenant, name=name, staging=staging,
                                  eval_set=Path(eval_path).read_bytes() if eval_path else None, reuse_identical=True,
                                  settings=settings, session_factory=session_factory)
             if result.created or not AdapterStatus(result.status).is_final:

@@ -30,6 +30,12 @@ EVALUATE = "adapters.eval.gate"
 SYNC_RETIRED = "adapters.ingest.sync_retired"
 SWEEP = "adapters.ingest.sweep"
 COLLECT_STORAGE = "adapters.ingest.collect_storage"
+# Run by beat (services.common.celery_app.beat_schedule): {task name: every so many seconds}.
+PERIODIC = {
+    SYNC_RETIRED: 10.0,  # deleted adapters' content ids -> the Redis set engines unload from (+ one heartbeat)
+    SWEEP: 60.0,  # versions whose task was lost
+    COLLECT_STORAGE: 3600.0,  # retention is counted in days; an hour's delay costs nothing
+}
 
 
 class CeleryEnqueue:

@@ -36,7 +36,7 @@ from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.lora_format import AdapterFormatError
 from services.common.models import Adapter, AdapterStatus, AdapterVersion, BaseModelRecord, Tenant
 from services.common.models.adapters import ADAPTER_NAME_PATTERN
-from services.gateway.crud import Actor, record_audit
+from services.common.audit import Actor, record_audit
 
 _NAME = re.compile(ADAPTER_NAME_PATTERN)
 
@@ -216,3 +216,27 @@ def _new_id() -> uuid.UUID:
     from services.common.ids import uuid7
 
     return uuid7()
+
+
+def upload_from_path(path: Path, *, tenant: str, name: str, eval_set: bytes | None, staging: Path,
+                min_margin: float | None = None, min_fp8_agreement: float | None = None, reuse_identical: bool = False,
+                settings=None, session_factory=None):
+    """An upload from a local path, as the CLI and the demo seed make it: pack a directory, then `upload_adapter`."""
+    from services.adapters.base_model import base_model_dir, ensure_base_model
+    from services.adapters.config import PipelineConfig
+    from services.adapters.storage import ObjectStore
+    from services.common.db import session_scope
+    from services.common.settings import get_settings
+    from services.common.audit import find_tenant
+
+    settings = settings or get_settings()
+    config = PipelineConfig.from_env()
+    archive = pack_dir(path, staging / "upload.tar") if path.is_dir() else path
+    with session_scope(session_factory) as s:
+        t = find_tenant(s, ref=tenant)
+        base = ensure_base_model(s, name=settings.base_model_name, model_dir=base_model_dir(settings),
+                                 max_lora_rank=config.max_lora_rank)
+        return upload_adapter(s, store=ObjectStore.from_settings(settings), config=config,
+                              sandbox_root=settings.home / "sandbox", base=base, tenant_id=t.id, name=name,
+                              upload=archive, actor=Actor.cli(), eval_set=eval_set, min_margin=min_margin,
+                              min_fp8_agreement=min_fp8_agreement, reuse_identical=reuse_identical)

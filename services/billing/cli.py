@@ -30,10 +30,10 @@ def _when(value: str | None) -> datetime:
 
 def _runtime():
     from services.billing.config import BillingConfig
-    from services.common.db import get_engine, make_sessionmaker
+    from services.common.db import get_db_engine, make_sessionmaker
     from services.common.settings import get_settings
 
-    return BillingConfig.from_settings(get_settings()), make_sessionmaker(get_engine())
+    return BillingConfig.from_settings(get_settings()), make_sessionmaker(get_db_engine())
 
 
 @app.command()

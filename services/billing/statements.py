@@ -199,8 +199,3 @@ def _next_month(period: date) -> date:
     return date(period.year + period.month // 12, period.month % 12 + 1, 1)
 
 
-def latest_statement(session: Session, *, tenant_id: uuid.UUID, period: date) -> Statement | None:
-    return session.execute(
-        select(Statement).where(Statement.tenant_id == tenant_id, Statement.period == period)
-        .order_by(Statement.revision.desc()).limit(1)
-    ).scalar_one_or_none()

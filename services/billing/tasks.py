@@ -13,17 +13,25 @@ from services.common.celery_app import app
 
 log = logging.getLogger("mplex.billing.tasks")
 
+_DEFAULTS = BillingConfig()
+# Run by beat (services.common.celery_app.beat_schedule): {task name: every so many seconds}.
+PERIODIC = {
+    "billing.sample_engines": _DEFAULTS.engine_sample_interval_s,  # registry -> engine usage windows
+    "billing.rollup": _DEFAULTS.rollup_interval_s,  # ledger -> daily rows
+    "billing.issue_statements": _DEFAULTS.statements_interval_s,  # closed months -> statements
+}
+
 
 @lru_cache(maxsize=1)
 def _runtime() -> tuple[BillingConfig, sessionmaker[Session], redis.Redis]:
     """Built on first use in each worker process (never before the prefork pool forks)."""
-    from services.common.db import get_engine, make_sessionmaker
+    from services.common.db import get_db_engine, make_sessionmaker
     from services.common.embedded import resolve_urls
     from services.common.settings import get_settings
 
     settings = get_settings()
     redis_url = settings.redis_url or resolve_urls(settings).redis_url
-    return BillingConfig.from_settings(settings), make_sessionmaker(get_engine()), redis.Redis.from_url(redis_url)
+    return BillingConfig.from_settings(settings), make_sessionmaker(get_db_engine()), redis.Redis.from_url(redis_url)
 
 
 @app.task(name="billing.sample_engines")

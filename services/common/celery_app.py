@@ -11,20 +11,19 @@ Task names say their queue: `billing.*`, `adapters.ingest.*`, `adapters.eval.*`.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from typing import Any
 
 from celery import Celery, Task
 from kombu import Queue
 
 QUEUES = ("adapters.ingest", "adapters.eval", "billing")
+# Each task module declares its periodic tasks in PERIODIC ({task name: seconds}); the worker imports them
+# by name, as Celery's `include` does, so this lower layer imports no service.
 TASK_MODULES = ("services.billing.tasks", "services.adapters.tasks")
 # With acks_late on Redis, an unacknowledged message is redelivered after this long if its worker vanished
 # without requeueing it (a killed host); longer than the slowest task (an adapter's quality-gate eval).
 VISIBILITY_TIMEOUT_S = 3 * 3600
-ADAPTERS_RETIRED_SYNC_S = 10.0  # how soon engines unload a deleted adapter (plus one heartbeat)
-ADAPTERS_SWEEP_S = 60.0
-ADAPTERS_STORAGE_GC_S = 3600.0  # retention is counted in days; an hour's delay costs nothing
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
@@ -55,13 +54,7 @@ class MplexTask(Task):
     reject_on_worker_lost = True
 
 
-def task_modules() -> list[str]:
-    """The task modules that exist in this build (services.adapters.tasks arrives with the adapter service)."""
-    return [m for m in TASK_MODULES if importlib.util.find_spec(m) is not None]
-
-
 def celery_config(settings: Any = None) -> dict[str, Any]:
-    from services.billing.config import BillingConfig
     from services.common.settings import get_settings
 
     settings = settings or get_settings()
@@ -70,7 +63,6 @@ def celery_config(settings: Any = None) -> dict[str, Any]:
         from services.common.embedded import resolve_urls
 
         broker_url = resolve_urls(settings).broker_url
-    billing = BillingConfig.from_settings(settings)
     return {
         "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,
@@ -93,30 +85,20 @@ def celery_config(settings: Any = None) -> dict[str, Any]:
             "adapters.ingest.*": {"queue": "adapters.ingest"},
             "adapters.eval.*": {"queue": "adapters.eval"},
         },
-        "include": task_modules(),
+        "include": list(TASK_MODULES),
         "timezone": "UTC",
         "enable_utc": True,
-        "beat_schedule": beat_schedule(billing),
+        "beat_schedule": beat_schedule(),
     }
 
 
-def beat_schedule(billing) -> dict[str, dict[str, Any]]:
-    """Periodic billing and adapter upkeep. Each run is idempotent; `expires` drops runs that queued up while no worker
-    was there to take them (the next run does the same work)."""
-    def every(task: str, seconds: float) -> dict[str, Any]:
-        return {"task": task, "schedule": seconds, "options": {"expires": seconds}}
-
-    schedule = {
-        "billing.sample_engines": every("billing.sample_engines", billing.engine_sample_interval_s),
-        "billing.rollup": every("billing.rollup", billing.rollup_interval_s),
-        "billing.issue_statements": every("billing.issue_statements", billing.statements_interval_s),
-    }
-    if "services.adapters.tasks" in task_modules():
-        # Deleted adapters' content ids -> the Redis set engines unload from; versions whose task was lost.
-        schedule["adapters.ingest.sync_retired"] = every("adapters.ingest.sync_retired", ADAPTERS_RETIRED_SYNC_S)
-        schedule["adapters.ingest.sweep"] = every("adapters.ingest.sweep", ADAPTERS_SWEEP_S)
-        # Files of rejected / deleted versions past retention, unreferenced objects, stale temporary files.
-        schedule["adapters.ingest.collect_storage"] = every("adapters.ingest.collect_storage", ADAPTERS_STORAGE_GC_S)
+def beat_schedule() -> dict[str, dict[str, Any]]:
+    """Every task module's PERIODIC tasks. Each run is idempotent; `expires` drops runs that queued up while
+    no worker was there to take them (the next run does the same work)."""
+    schedule = {}
+    for module in TASK_MODULES:
+        for task, seconds in importlib.import_module(module).PERIODIC.items():
+            schedule[task] = {"task": task, "schedule": seconds, "options": {"expires": seconds}}
     return schedule
 
 

@@ -1,4 +1,4 @@
-"""SQLAlchemy engine and sessions (psycopg 3). Nothing connects at import: engines are built on first use."""
+"""The database: SQLAlchemy engine ("db engine": never an inference engine) and sessions (psycopg 3). Nothing connects at import: engines are built on first use."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.settings import Settings, get_settings, normalize_database_url
 
 
-def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, **kwargs: object) -> Engine:
+def make_db_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, **kwargs: object) -> Engine:
     """An engine for `url` (any Postgres scheme; the psycopg 3 driver is always used).
 
     pool_pre_ping: a connection that died with a Postgres restart is replaced instead of failing a request.
@@ -32,21 +32,21 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 
 
 @lru_cache(maxsize=1)
-def get_engine() -> Engine:
+def get_db_engine() -> Engine:
     """The process-wide engine for the settings' database (the embedded one if none is configured)."""
-    return engine_from_settings(get_settings())
+    return db_engine_from_settings(get_settings())
 
 
-def engine_from_settings(settings: Settings) -> Engine:
+def db_engine_from_settings(settings: Settings) -> Engine:
     from services.common.embedded import resolve_urls  # starts embedded servers only if asked to
 
     url = settings.database_url or resolve_urls(settings).database_url
-    return make_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
+    return make_db_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
 
 
 @lru_cache(maxsize=1)
 def _default_sessionmaker() -> sessionmaker[Session]:
-    return make_sessionmaker(get_engine())
+    return make_sessionmaker(get_db_engine())
 
 
 @contextmanager
@@ -63,9 +63,9 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
         session.close()
 
 
-def reset_engine() -> None:
+def reset_db_engine() -> None:
     """Forget the cached engine (after MPLEX_DATABASE_URL changed, e.g. between test sessions)."""
-    if get_engine.cache_info().currsize:
-        get_engine().dispose()
-    get_engine.cache_clear()
+    if get_db_engine.cache_info().currsize:
+        get_db_engine().dispose()
+    get_db_engine.cache_clear()
     _default_sessionmaker.cache_clear()

@@ -130,8 +130,3 @@ class ServiceUnavailableError(ApiError):
     type = "service_unavailable"
     default_code = "service_unavailable"
 
-
-class GatewayTimeoutError(ApiError):
-    status = 504
-    type = "server_error"
-    default_code = "upstream_timeout"

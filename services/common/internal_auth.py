@@ -10,13 +10,10 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from services.common.openai_protocol import error_body
 from services.common.wire import FAULT_ENGINE, FAULT_HEADER
-
-if TYPE_CHECKING:
-    from services.common.settings import Settings
 
 SCHEME = "Bearer"
 ERROR_CODE = "invalid_engine_credential"
@@ -26,18 +23,19 @@ ERROR_CODE = "invalid_engine_credential"
 OPEN_PATHS = frozenset({"/health"})
 
 
-def parse_tokens(value: str) -> tuple[str, ...]:
-    """`new,old` -> ("new", "old"): the accepted tokens, the one to send first; blanks dropped."""
-    return tuple(t for t in (part.strip() for part in value.split(",")) if t)
+class HasEngineTokens(Protocol):
+    """The settings object (services.common.settings.Settings, which owns how the tokens are configured)."""
+
+    @property
+    def engine_token_list(self) -> tuple[str, ...]: ...
 
 
-def engine_tokens(settings: Settings) -> tuple[str, ...]:
+def engine_tokens(settings: HasEngineTokens) -> tuple[str, ...]:
     """The engine tokens this process accepts (an engine) or sends, first entry (a client)."""
-    assert settings.engine_tokens is not None  # set by the settings validator
-    return parse_tokens(settings.engine_tokens.get_secret_value())
+    return settings.engine_token_list
 
 
-def client_headers(tokens: Settings | Sequence[str]) -> dict[str, str]:
+def client_headers(tokens: HasEngineTokens | Sequence[str]) -> dict[str, str]:
     """What a caller of an engine endpoint sends: the first accepted token."""
     if not isinstance(tokens, Sequence):
         tokens = engine_tokens(tokens)

@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-from services.common.db import make_engine
+from services.common.db import make_db_engine
 
 
 def migrations_dir() -> Path:
@@ -40,10 +40,10 @@ def head_revision() -> str | None:
 
 
 def current_revision(url_or_engine: str | Engine) -> str | None:
-    engine = make_engine(url_or_engine, pool_size=1, max_overflow=0) if isinstance(url_or_engine, str) else url_or_engine
+    db_engine = make_db_engine(url_or_engine, pool_size=1, max_overflow=0) if isinstance(url_or_engine, str) else url_or_engine
     try:
-        with engine.connect() as conn:
+        with db_engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         if isinstance(url_or_engine, str):
-            engine.dispose()
+            db_engine.dispose()

@@ -6,7 +6,6 @@ endpoints use it too, so both sides agree on every token.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +108,3 @@ def _token_str(value: Any) -> str:
         return value.get("content", "")
     return value or ""
 
-
-@lru_cache(maxsize=8)
-def prompt_builder(model_dir: str) -> PromptBuilder:
-    return PromptBuilder(Path(model_dir))

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.common.internal_auth import parse_tokens
 
 Env = Literal["dev", "test", "prod"]
 
@@ -25,6 +24,11 @@ ENGINE_TOKEN_FILE = "engine_token"
 MIN_SECRET_KEY_LEN = 32
 # Values people paste from tutorials; refusing them is cheaper than a leaked session-signing key.
 _KNOWN_WEAK_SECRETS = {"changeme", "changethis", "secret", "password", "mplex", "multiplex", "dev", "test", "example"}
+
+
+def parse_tokens(value: str) -> tuple[str, ...]:
+    """`new,old` -> ("new", "old"): the accepted tokens, the one to send first; blanks dropped."""
+    return tuple(t for t in (part.strip() for part in value.split(",")) if t)
 
 
 class UnsafeSettings(ValueError):
@@ -138,6 +142,12 @@ class Settings(BaseSettings):
     def state_dir(self) -> Path:
         """Where embedded servers keep their data and ports."""
         return self.home / "state"
+
+    @property
+    def engine_token_list(self) -> tuple[str, ...]:
+        """The engine tokens accepted (all) and sent (the first): services.common.internal_auth's input."""
+        assert self.engine_tokens is not None  # set by the validator
+        return parse_tokens(self.engine_tokens.get_secret_value())
 
     def secret(self) -> str:
         assert self.secret_key is not None  # set by the validator

@@ -161,7 +161,6 @@ class AsyncEngine:
                         self._wake.wait(timeout=1.0)
                         self._wake.clear()
                         engine.metrics.idle_seconds.inc(time.perf_counter() - t0)
-                        engine.stats.last_step = {}
                         continue
                     outputs = engine.step()
                 except Exception as exc:  # not pinned on one request: fail the running ones, check, go on

@@ -44,14 +44,8 @@ def serve(
     failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
-    import uvicorn
-
-    from services.common.internal_auth import engine_tokens
     from services.common.settings import get_settings
-    from services.engine.async_engine import AsyncEngine
     from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
-    from services.engine.engine import LLMEngine
-    from services.engine.server import create_app
 
     settings = get_settings()
     config = EngineConfig(
@@ -75,13 +69,22 @@ def serve(
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
     )
+    _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
+    _run(config, settings, host, port, advertise_url, redis_url, log_level)
+
+
+def _run(config, settings, host: str, port: int, advertise_url: str | None, redis_url: str | None, log_level: str) -> None:
+    import uvicorn
+
+    from services.common.http_limits import http_protocol
+    from services.common.internal_auth import engine_tokens
     from services.common.logging import configure
+    from services.engine.async_engine import AsyncEngine
+    from services.engine.engine import LLMEngine
+    from services.engine.server import create_app
 
     log_config = configure("engine", log_level)
-    _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     url = advertise_url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    from services.common.http_limits import http_protocol
-
     # If the step loop ever stops (its state could not be trusted after an error), the process exits so
     # that whatever runs it (`make up`'s supervisor, Kubernetes) starts a fresh one.
     core = AsyncEngine(LLMEngine(config), on_death=_exit_soon)
@@ -108,7 +111,7 @@ def kv_gate(
     """Check that an fp8 KV cache keeps this model's greedy outputs (the gate before `serve --kv-dtype fp8`)."""
     import json
 
-    from services.adapters.kv_gate import KvEvalSet, check_fp8_kv, demo_eval_sets, record_verdict
+    from services.engine.kv_gate import KvEvalSet, check_fp8_kv, demo_eval_sets, record_verdict
     from services.common.settings import get_settings
 
     settings = get_settings()
@@ -142,10 +145,10 @@ def kv_gate(
 
 
 def _check_kv_gate(home: Path, model: Path, dtype: str, weight_dtype: str, kv_dtype: str, skip: bool) -> None:
-    """fp8 KV is turned on per model only after its agreement gate passed (services/adapters/kv_gate.py)."""
+    """fp8 KV is turned on per model only after its agreement gate passed (services/engine/kv_gate.py)."""
     if kv_dtype != "fp8":
         return
-    from services.adapters.kv_gate import KvGateRequired, require_verdict
+    from services.engine.kv_gate import KvGateRequired, require_verdict
 
     try:
         verdict = require_verdict(home, model, dtype, weight_dtype)

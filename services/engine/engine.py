@@ -8,7 +8,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -67,7 +67,6 @@ class StepStats:
     steps: int = 0
     busy_seconds: float = 0.0
     tokens: int = 0
-    last_step: dict = field(default_factory=dict)
 
 
 class LLMEngine:

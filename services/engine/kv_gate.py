@@ -1,10 +1,10 @@
 """The FP8 KV cache gate: a model is served with `--kv-dtype fp8` only after its greedy outputs with an fp8
 KV cache agree with the same engine's full-precision KV cache on its eval sets.
 
-Beside the adapter quality gate (gate.py), which checks FP8 *weights* per adapter, this checks the FP8 *KV
+Beside the adapter quality gate (services/adapters/gate.py), which checks FP8 *weights* per adapter, this checks the FP8 *KV
 cache* per base model: two engines that differ only in `kv_dtype` run every eval set greedy (the base set
 on the base, each adapter's set with its adapter), and the verdict is the greedy token agreement over all
-of them (scoring.token_agreement) against `min_agreement`. A passing verdict is recorded under
+of them (`token_agreement`, which the adapter gate's FP8 check uses too) against `min_agreement`. A passing verdict is recorded under
 `<home>/kv_gate/` keyed by the model's fingerprint and the compute/weight dtypes it was measured with;
 `mplex engine serve --kv-dtype fp8` refuses a model without one (see `require_verdict`). Run it with
 `mplex engine kv-gate`.
@@ -14,14 +14,24 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.adapters.scoring import token_agreement
-
 DEFAULT_MIN_AGREEMENT = 0.98
 VERDICT_DIR = "kv_gate"
+
+
+def token_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    """Greedy token agreement of two runs over the same prompts: positions holding the same token,
+    over all positions of the longer output of each pair (an output that stops early disagrees on the rest)."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        same += sum(1 for i, j in zip(x, y) if i == j)
+        total += max(len(x), len(y))
+    return same / total if total else 1.0
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,27 +43,10 @@ class EngineMetrics:
         )
         for kind in ("swap", "recompute"):  # exported from the start, as before the kind label
             self._preemptions.labels(model=model_name, kind=kind)
-        self.swap_out_blocks = counter("mplex_engine_kv_swap_out_blocks_total", "KV blocks copied to the host tier")
-        self.swap_in_blocks = counter("mplex_engine_kv_swap_in_blocks_total", "KV blocks copied back from the host tier")
-        self.swap_out_bytes = counter("mplex_engine_kv_swap_out_bytes_total", "Bytes of KV copied to the host tier")
-        self.swap_in_bytes = counter("mplex_engine_kv_swap_in_bytes_total", "Bytes of KV copied back from the host tier")
-        self.swap_seconds = counter("mplex_engine_kv_swap_seconds_total", "Wall time of host <-> device KV copies")
-        self.host_blocks_used = gauge("mplex_engine_kv_host_blocks_used", "Host-tier KV blocks held by swapped-out sequences")
-        self.host_blocks_total = gauge("mplex_engine_kv_host_blocks_total", "Host-tier KV blocks (0: no host tier)")
-        self.cow_copies = counter("mplex_engine_kv_cow_copies_total", "KV blocks copied on the first write into a shared block")
-        self.forks = counter("mplex_engine_kv_forks_total", "Requests that forked an identical running prompt's KV")
-        self.fork_tokens = counter("mplex_engine_kv_fork_shared_tokens_total", "Prompt tokens forks shared instead of computing")
-        self.copy_bandwidth = gauge("mplex_engine_kv_copy_bytes_per_second", "Running estimate of host <-> device KV copy bandwidth")
-        self.prefill_token_seconds = gauge("mplex_engine_prefill_seconds_per_token", "Running estimate of a prefill token's cost (recompute)")
+        self._init_kv(counter, gauge)
         self.busy_seconds = counter("mplex_engine_busy_seconds_total", "Wall time spent in forward steps")
         self.idle_seconds = counter("mplex_engine_idle_seconds_total", "Wall time with no work")
-        self.lora_slots_used = gauge("mplex_engine_lora_slots_used", "Device adapter slots holding an adapter")
-        self.lora_slots_total = gauge("mplex_engine_lora_slots_total", "Device adapter slots")
-        self.lora_host_cached = gauge("mplex_engine_lora_host_cached", "Adapters resident in host memory")
-        self.lora_loads = counter("mplex_engine_lora_loads_total", "Adapter loads into host memory (fetch + validate)")
-        self.lora_load_failures = counter("mplex_engine_lora_load_failures_total", "Adapter loads refused")
-        self.lora_slot_loads = counter("mplex_engine_lora_slot_loads_total", "Adapter copies into a device slot")
-        self.lora_load_seconds = hist("mplex_engine_lora_load_seconds", "Adapter load time (fetch + validate + convert)")
+        self._init_lora(counter, gauge, hist)
         self._adapter_requests = Counter(
             "mplex_engine_adapter_requests_total", "Finished requests per adapter", ["model", "adapter"], registry=r
         )
@@ -94,6 +77,31 @@ class EngineMetrics:
         self._tenant_labels: set[str] = set()
         self._tenant_waiting_set: set[str] = set()
         self.model_name = model_name
+
+    def _init_kv(self, counter, gauge) -> None:
+        """KV tiering: swap traffic, the host tier, copy-on-write forks and the cost model's estimates."""
+        self.swap_out_blocks = counter("mplex_engine_kv_swap_out_blocks_total", "KV blocks copied to the host tier")
+        self.swap_in_blocks = counter("mplex_engine_kv_swap_in_blocks_total", "KV blocks copied back from the host tier")
+        self.swap_out_bytes = counter("mplex_engine_kv_swap_out_bytes_total", "Bytes of KV copied to the host tier")
+        self.swap_in_bytes = counter("mplex_engine_kv_swap_in_bytes_total", "Bytes of KV copied back from the host tier")
+        self.swap_seconds = counter("mplex_engine_kv_swap_seconds_total", "Wall time of host <-> device KV copies")
+        self.host_blocks_used = gauge("mplex_engine_kv_host_blocks_used", "Host-tier KV blocks held by swapped-out sequences")
+        self.host_blocks_total = gauge("mplex_engine_kv_host_blocks_total", "Host-tier KV blocks (0: no host tier)")
+        self.cow_copies = counter("mplex_engine_kv_cow_copies_total", "KV blocks copied on the first write into a shared block")
+        self.forks = counter("mplex_engine_kv_forks_total", "Requests that forked an identical running prompt's KV")
+        self.fork_tokens = counter("mplex_engine_kv_fork_shared_tokens_total", "Prompt tokens forks shared instead of computing")
+        self.copy_bandwidth = gauge("mplex_engine_kv_copy_bytes_per_second", "Running estimate of host <-> device KV copy bandwidth")
+        self.prefill_token_seconds = gauge("mplex_engine_prefill_seconds_per_token", "Running estimate of a prefill token's cost (recompute)")
+
+    def _init_lora(self, counter, gauge, hist) -> None:
+        """Adapter slots and loads."""
+        self.lora_slots_used = gauge("mplex_engine_lora_slots_used", "Device adapter slots holding an adapter")
+        self.lora_slots_total = gauge("mplex_engine_lora_slots_total", "Device adapter slots")
+        self.lora_host_cached = gauge("mplex_engine_lora_host_cached", "Adapters resident in host memory")
+        self.lora_loads = counter("mplex_engine_lora_loads_total", "Adapter loads into host memory (fetch + validate)")
+        self.lora_load_failures = counter("mplex_engine_lora_load_failures_total", "Adapter loads refused")
+        self.lora_slot_loads = counter("mplex_engine_lora_slot_loads_total", "Adapter copies into a device slot")
+        self.lora_load_seconds = hist("mplex_engine_lora_load_seconds", "Adapter load time (fetch + validate + convert)")
 
     def count_preemptions(self, kind: str, n: int) -> None:
         if n:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.config import KV_SCALE_DTYPE
-from services.engine.kernels.attention_native import NativeAttention
 from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan
 from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
 from services.engine.model.attention import (AttnGroup, AttnMetadata, DecodeGroup, DecodeKernel, Fp8Writer, LayerKV,

@@ -50,7 +50,7 @@ def _unit_of_work() -> Iterator:
 
 
 def _actor():
-    from services.gateway.crud import Actor
+    from services.common.audit import Actor
 
     return Actor.cli()
 
@@ -157,10 +157,11 @@ def tenant_list(as_json: bool = JsonOut) -> None:
 
 
 def _set_status(ref: str, status: str) -> None:
+    from services.common.audit import find_tenant
     from services.gateway import crud
 
     with _unit_of_work() as s:
-        t = crud.find_tenant(s, ref=ref)
+        t = find_tenant(s, ref=ref)
         crud.set_status(s, tenant_id=t.id, status=status, actor=_actor())
         hashes = crud.live_key_hashes(s, tenant_id=t.id)
         slug = t.slug
@@ -187,12 +188,13 @@ def tenant_limits(
     monthly_tokens: str = MonthlyTokens, as_json: bool = JsonOut,
 ) -> None:
     """Show a tenant's limits, or change the ones given (others keep their value)."""
+    from services.common.audit import find_tenant
     from services.gateway import crud
 
     limits = _limits(tokens_per_min, requests_per_min, concurrent, monthly_tokens)
     hashes: list[str] = []
     with _unit_of_work() as s:
-        t = crud.find_tenant(s, ref=tenant)
+        t = find_tenant(s, ref=tenant)
         if limits:
             t = crud.set_limits(s, tenant_id=t.id, limits=limits, actor=_actor())
             hashes = crud.live_key_hashes(s, tenant_id=t.id)
@@ -213,10 +215,11 @@ def user_create(
     as_json: bool = JsonOut,
 ) -> None:
     """Create a web sign-in user."""
+    from services.common.audit import find_tenant
     from services.gateway import crud
 
     with _unit_of_work() as s:
-        tenant_id = crud.find_tenant(s, ref=tenant).id if tenant else None
+        tenant_id = find_tenant(s, ref=tenant).id if tenant else None
         u = crud.create_user(s, email=email, password=password, role=role, tenant_id=tenant_id, actor=_actor())
         out = {"id": str(u.id), "email": u.email, "role": str(u.role), "tenant_id": str(tenant_id) if tenant_id else None}
     typer.echo(json.dumps(out) if as_json else f"created {out['role']} {out['email']} ({out['id']})")
@@ -231,10 +234,11 @@ def key_create(
     as_json: bool = JsonOut,
 ) -> None:
     """Create an API key and print it. It is shown this once: only its hash is stored."""
+    from services.common.audit import find_tenant
     from services.gateway import crud
 
     with _unit_of_work() as s:
-        t = crud.find_tenant(s, ref=tenant)
+        t = find_tenant(s, ref=tenant)
         row, full = crud.create_api_key(s, tenant_id=t.id, name=name, scopes=scope or None, actor=_actor())
         out = {"id": str(row.id), "name": row.name, "prefix": row.prefix, "tenant": t.slug, "key": full}
     if as_json:
@@ -247,10 +251,11 @@ def key_create(
 @key_app.command("list")
 def key_list(tenant: str = typer.Option(..., "--tenant", help="Slug or id"), as_json: bool = JsonOut) -> None:
     """A tenant's keys (prefix, scopes, last use, revocation); never their secrets."""
+    from services.common.audit import find_tenant
     from services.gateway import crud
 
     with _unit_of_work() as s:
-        t = crud.find_tenant(s, ref=tenant)
+        t = find_tenant(s, ref=tenant)
         rows = [{"id": str(k.id), "name": k.name, "prefix": k.prefix, "scopes": list(k.scopes),
                  "created_at": k.created_at.isoformat(),
                  "last_used_at": k.last_used_at.isoformat() if k.last_used_at else None,

@@ -1,25 +1,39 @@
 """The gateway's FastAPI app: wiring only (routers, error shapes, health, metrics, the web app)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.billing.pricing import Pricer
 from services.common.errors import ApiError
 from services.common.http_limits import RequestLimits
 from services.common.openai_protocol import error_body, validation_error_body
 from services.common.settings import Settings
 from services.common.wire import InvalidRequest
+from services.gateway.api import (
+    adapters,
+    admin,
+    admin_engines,
+    auth,
+    finance,
+    openai,
+    playground,
+    tenant,
+    tenant_usage,
+)
 from services.gateway.security import install_security_headers
 from services.gateway.state import Gateway, build_gateway
+from services.gateway.static import mount_web
 
 log = logging.getLogger("mplex.gateway")
 WEB_DIST = Path(__file__).resolve().parents[2] / "web" / "dist"
@@ -56,31 +70,49 @@ class _MetricsMiddleware:
 
 
 def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: Path | None = WEB_DIST) -> FastAPI:
+    """The gateway's app: wiring only. `gateway`: ready-made state (tests); otherwise built at startup."""
+    app = FastAPI(title="Multiplex gateway", lifespan=_lifespan(settings, gateway), version="1")
+    _install_error_handlers(app)
+    app.add_middleware(_MetricsMiddleware)
+    # Adapter uploads stream their bodies under the adapter pipeline's own (much larger) limits.
+    app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes, max_header_bytes=settings.max_header_bytes,
+                       streaming_paths=UPLOAD_PATHS)
+    install_security_headers(app, hsts=settings.session_cookie_secure)
+    app.include_router(_probes)
+    for module in (openai, auth, tenant, tenant_usage, playground, admin, admin_engines, finance, adapters):
+        app.include_router(module.router)
+    if web_dist is not None:
+        mount_web(app, web_dist)
+    return app
+
+
+def _lifespan(settings: Settings, gateway: Gateway | None):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        gw = gateway
-        if gw is None:
-            from services.common.embedded import resolve_urls
-
-            urls = resolve_urls(settings)
-            model_dir = settings.base_model_dir
-            if model_dir is None:
-                from services.modelkit import ensure_demo
-
-                model_dir = ensure_demo(settings.home, progress=False).base_dir
-            gw = build_gateway(settings, database_url=urls.database_url, redis_url=urls.redis_url, base_model_dir=model_dir)
-        try:
-            from services.billing.pricing import Pricer
-
-            gw.pricer = Pricer(gw.session_factory)
-        except ModuleNotFoundError:
-            gw.pricer = None
+        gw = gateway or _build(settings)
+        gw.pricer = Pricer(gw.session_factory)
         app.state.gw = gw
         gw.meter.start()
         yield
         await gw.aclose()
 
-    app = FastAPI(title="Multiplex gateway", lifespan=lifespan, version="1")
+    return lifespan
+
+
+def _build(settings: Settings) -> Gateway:
+    from services.common.embedded import resolve_urls
+
+    urls = resolve_urls(settings)
+    model_dir = settings.base_model_dir
+    if model_dir is None:
+        from services.modelkit import ensure_demo
+
+        model_dir = ensure_demo(settings.home, progress=False).base_dir
+    return build_gateway(settings, database_url=urls.database_url, redis_url=urls.redis_url, base_model_dir=model_dir)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
@@ -105,56 +137,37 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(error_body("The server had an error while processing your request.", "server_error", None, "internal_error"), 500)
 
-    app.add_middleware(_MetricsMiddleware)
-    # Adapter uploads stream their bodies under the adapter pipeline's own (much larger) limits.
-    app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes, max_header_bytes=settings.max_header_bytes,
-                       streaming_paths=UPLOAD_PATHS)
-    install_security_headers(app, hsts=settings.session_cookie_secure)
 
-    @app.get("/health", include_in_schema=False)
-    async def health():
-        return {"status": "ok"}
+_probes = APIRouter()
 
-    @app.get("/ready", include_in_schema=False)
-    async def ready(request: Request):
-        gw: Gateway = request.app.state.gw
-        checks = {}
-        try:
-            await gw.redis.ping()
-            checks["redis"] = "ok"
-        except Exception as exc:  # reported, not raised: this endpoint's job is to say what is down
-            checks["redis"] = f"down: {exc.__class__.__name__}"
-        try:
-            import asyncio
 
-            def ping() -> None:
-                with gw.session_factory() as s:
-                    s.execute(text("SELECT 1"))
+@_probes.get("/health", include_in_schema=False)
+async def health():
+    return {"status": "ok"}
 
-            await asyncio.to_thread(ping)
-            checks["postgres"] = "ok"
-        except Exception as exc:  # same: report which dependency is down
-            checks["postgres"] = f"down: {exc.__class__.__name__}"
-        ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"ready": ok, "checks": checks}, 200 if ok else 503)
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request):
-        return Response(generate_latest(request.app.state.gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+@_probes.get("/ready", include_in_schema=False)
+async def ready(request: Request):
+    gw: Gateway = request.app.state.gw
+    checks = {}
+    try:
+        await gw.redis.ping()
+        checks["redis"] = "ok"
+    except Exception as exc:  # reported, not raised: this endpoint's job is to say what is down
+        checks["redis"] = f"down: {exc.__class__.__name__}"
+    try:
+        def ping() -> None:
+            with gw.session_factory() as s:
+                s.execute(text("SELECT 1"))
 
-    from services.gateway.api import openai as openai_routes
+        await asyncio.to_thread(ping)
+        checks["postgres"] = "ok"
+    except Exception as exc:  # same: report which dependency is down
+        checks["postgres"] = f"down: {exc.__class__.__name__}"
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse({"ready": ok, "checks": checks}, 200 if ok else 503)
 
-    app.include_router(openai_routes.router)
-    for module in ("auth", "tenant", "tenant_usage", "playground", "admin", "admin_engines", "finance", "adapters"):
-        try:
-            mod = __import__(f"services.gateway.api.{module}", fromlist=["router"])
-        except ModuleNotFoundError as exc:
-            if exc.name != f"services.gateway.api.{module}":
-                raise
-            continue
-        app.include_router(mod.router)
-    if web_dist is not None:
-        from services.gateway.static import mount_web
 
-        mount_web(app, web_dist)
-    return app
+@_probes.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    return Response(generate_latest(request.app.state.gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,18 +8,17 @@ Errors are the API's typed errors (services.common.errors); the CLI prints their
 """
 from __future__ import annotations
 
-import getpass
 import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
+from services.common.audit import Actor, get_tenant, record_audit
 from services.common.errors import ConflictError, InvalidRequestError, NotFoundError
 from services.common.keys import ALL_SCOPES, DEFAULT_SCOPES, SCOPE_INFERENCE, generate_key
 from services.common.models import (
@@ -28,7 +27,6 @@ from services.common.models import (
     AdapterStatus,
     AdapterVersion,
     ApiKey,
-    AuditLog,
     Role,
     Tenant,
     TenantLimits,
@@ -62,45 +60,6 @@ _EMAIL_RE = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,190}$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
-@dataclass(frozen=True, slots=True)
-class Actor:
-    """Who performs an action, for the audit log: a signed-in user through the API, or an operator at the CLI."""
-
-    user_id: uuid.UUID | None
-    request_id: str | None = None
-    ip: str | None = None
-    via: str = "api"
-    operator: str | None = None  # the OS user behind a CLI action (there is no web user)
-
-    @classmethod
-    def cli(cls) -> Actor:
-        try:
-            operator = getpass.getuser()
-        except (KeyError, OSError):
-            operator = None
-        return cls(user_id=None, via="cli", operator=operator)
-
-
-def record_audit(
-    session: Session,
-    *,
-    actor: Actor,
-    action: str,
-    tenant_id: uuid.UUID | None,
-    target_type: str | None = None,
-    target_id: object = None,
-    details: dict[str, Any] | None = None,
-) -> AuditLog:
-    """Append one audit row. `details` must never hold secrets (passwords, keys): it is shown to admins."""
-    full = {"via": actor.via, **({"operator": actor.operator} if actor.operator else {}), **(details or {})}
-    row = AuditLog(
-        actor_user_id=actor.user_id, tenant_id=tenant_id, action=action, target_type=target_type,
-        target_id=None if target_id is None else str(target_id), details=full, request_id=actor.request_id, ip=actor.ip,
-    )
-    session.add(row)
-    return row
-
-
 def _clean_name(value: str, what: str) -> str:
     value = (value or "").strip()
     if not value or len(value) > MAX_NAME_LEN or _CONTROL_RE.search(value):
@@ -123,25 +82,6 @@ def check_limits(limits: dict[str, int | None]) -> dict[str, int | None]:
 
 
 # -- tenants --------------------------------------------------------------------------------------------------
-def get_tenant(session: Session, *, tenant_id: uuid.UUID, for_update: bool = False) -> Tenant:
-    tenant = session.get(Tenant, tenant_id, with_for_update=for_update, options=[selectinload(Tenant.limits)])
-    if tenant is None:
-        raise NotFoundError("Tenant not found.")
-    return tenant
-
-
-def find_tenant(session: Session, *, ref: str) -> Tenant:
-    """By id or slug (the CLI accepts either)."""
-    try:
-        return get_tenant(session, tenant_id=uuid.UUID(ref))
-    except ValueError:
-        pass
-    tenant = session.scalar(select(Tenant).where(Tenant.slug == ref).options(selectinload(Tenant.limits)))
-    if tenant is None:
-        raise NotFoundError(f"No tenant with slug or id {ref!r}.")
-    return tenant
-
-
 def list_tenants(session: Session) -> list[Tenant]:
     return list(session.scalars(select(Tenant).options(selectinload(Tenant.limits)).order_by(Tenant.created_at, Tenant.id)))
 
@@ -234,14 +174,6 @@ def set_status(session: Session, *, tenant_id: uuid.UUID, status: TenantStatus |
         record_audit(session, actor=actor, action=action, tenant_id=tenant.id, target_type="tenant", target_id=tenant.id,
                      details={"before": str(before), "after": str(status)})
     return tenant
-
-
-def suspend_tenant(session: Session, *, tenant_id: uuid.UUID, actor: Actor) -> Tenant:
-    return set_status(session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED, actor=actor)
-
-
-def activate_tenant(session: Session, *, tenant_id: uuid.UUID, actor: Actor) -> Tenant:
-    return set_status(session, tenant_id=tenant_id, status=TenantStatus.ACTIVE, actor=actor)
 
 
 def update_tenant(

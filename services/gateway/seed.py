@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from services.common.audit import Actor
 from services.common.keys import InvalidKeyFormat, parse_key, verify_key
 from services.common.models import ApiKey, Role, Tenant, TenantLimits, User
 from services.common.passwords import hash_password, verify_password
@@ -67,7 +68,7 @@ class DemoSeed:
         }
 
 
-_ACTOR = crud.Actor(user_id=None, via="seed")
+_ACTOR = Actor(user_id=None, via="seed")
 
 
 def _ensure_tenant(session: Session, limits: dict[str, int | None]) -> Tenant:

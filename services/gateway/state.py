@@ -50,10 +50,10 @@ def make_redis(url: str, max_connections: int = 256) -> aioredis.Redis:
 
 
 def build_gateway(settings: Settings, *, database_url: str, redis_url: str, base_model_dir: Path) -> Gateway:
-    from services.common.db import make_engine, make_sessionmaker
+    from services.common.db import make_db_engine, make_sessionmaker
 
-    engine = make_engine(database_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
-    session_factory = make_sessionmaker(engine)
+    db_engine = make_db_engine(database_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
+    session_factory = make_sessionmaker(db_engine)
     redis = make_redis(redis_url)
     metrics = GatewayMetrics()
 

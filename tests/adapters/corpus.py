@@ -16,7 +16,6 @@ import uuid
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from safetensors.torch import save

@@ -8,9 +8,9 @@ import uuid
 from pathlib import Path
 
 from services.common.lora_format import content_id
-from services.gateway import crud
+from services.common.audit import Actor
 
-ACTOR = crud.Actor(user_id=None, via="test")
+ACTOR = Actor(user_id=None, via="test")
 
 
 def greedy_texts(model_dir: Path, prompts: list[str], *, adapter_dir: Path | None = None, max_tokens: int = 8,

@@ -23,7 +23,7 @@ def api(settings, database_url, service_urls, tmp_path):
     """create_app on a Gateway holding what the management API uses (no engines, no base model files)."""
     import aiohttp
 
-    from services.common.db import make_engine, make_sessionmaker
+    from services.common.db import make_db_engine, make_sessionmaker
     from services.gateway.app import create_app
     from services.gateway.auth import KeyAuth
     from services.gateway.metering import Meter
@@ -32,7 +32,7 @@ def api(settings, database_url, service_urls, tmp_path):
     from services.gateway.router import Registry, Router
     from services.gateway.state import Gateway, make_redis
 
-    engine = make_engine(database_url, pool_size=4, max_overflow=4)
+    engine = make_db_engine(database_url, pool_size=4, max_overflow=4)
     factory = make_sessionmaker(engine)
     redis = make_redis(service_urls.redis_url)
     metrics = GatewayMetrics()

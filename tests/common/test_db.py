@@ -15,7 +15,7 @@ def test_importing_the_data_layer_connects_to_nothing():
     """With an unreachable database configured, importing db/models/migrate/cli must still succeed."""
     env = {**os.environ, "MPLEX_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "MPLEX_REDIS_URL": "redis://127.0.0.1:1/0"}
     code = ("import services.common.db, services.common.models, services.common.migrate, services.common.cli, services.cli;"
-            "from services.common.db import get_engine; e = get_engine(); print(e.url.port)")
+            "from services.common.db import get_db_engine; e = get_db_engine(); print(e.url.port)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
@@ -38,10 +38,10 @@ def test_session_scope_commits_on_success_and_rolls_back_on_error(settings, db):
 
 
 def test_settings_fixture_points_the_process_at_the_test_database(settings, database_url):
-    from services.common.db import get_engine
+    from services.common.db import get_db_engine
 
     assert settings.database_url == database_url.replace("postgresql://", "postgresql+psycopg://")
-    assert get_engine().url.database == database_url.rsplit("/", 1)[1]
+    assert get_db_engine().url.database == database_url.rsplit("/", 1)[1]
     assert settings.env == "test"
 
 

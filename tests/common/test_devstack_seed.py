@@ -2,7 +2,7 @@
 base model's row, which nothing else creates before the first adapter upload)."""
 from sqlalchemy import func, select
 
-from services.common.db import make_engine
+from services.common.db import make_db_engine
 from services.common.models import BaseModelRecord, Price, Tenant, TenantLimits
 from services.devstack import seed_dev_database
 from services.gateway.seed import DEMO_SLUG
@@ -13,7 +13,7 @@ def test_a_fresh_database_is_seeded_and_a_second_run_reuses_the_key(empty_databa
     assert first.api_key.startswith("mpx_")
     again = seed_dev_database(empty_database, demo_kit, existing_key=first.api_key)
     assert again.api_key == first.api_key
-    engine = make_engine(empty_database, pool_size=1, max_overflow=0)
+    engine = make_db_engine(empty_database, pool_size=1, max_overflow=0)
     try:
         with engine.connect() as conn:
             assert conn.scalar(select(func.count()).select_from(BaseModelRecord)

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from services.common.internal_auth import InternalAuthMiddleware, bearer_of, client_headers, parse_tokens, verify
+from services.common.internal_auth import InternalAuthMiddleware, bearer_of, client_headers, verify
+from services.common.settings import parse_tokens
 
 
 def test_tokens_parse_as_a_rotation_list():

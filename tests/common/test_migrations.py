@@ -3,7 +3,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from services.common.db import make_engine
+from services.common.db import make_db_engine
 from services.common.migrate import current_revision, downgrade, head_revision, upgrade
 from services.common.models import Base
 
@@ -21,7 +21,7 @@ def public_tables(engine) -> set[str]:
 
 
 def test_upgrade_empty_to_head_then_down_to_base_and_up_again(empty_database):
-    engine = make_engine(empty_database, pool_size=1, max_overflow=0)
+    engine = make_db_engine(empty_database, pool_size=1, max_overflow=0)
     try:
         assert public_tables(engine) == set()
         upgrade(empty_database)
@@ -48,7 +48,7 @@ def test_upgrade_twice_is_a_no_op(empty_database):
 
 def test_head_matches_the_models(database_url):
     """An autogenerate diff against the migrated database is empty: models and migrations agree."""
-    engine = make_engine(database_url, pool_size=1, max_overflow=0)
+    engine = make_db_engine(database_url, pool_size=1, max_overflow=0)
     try:
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
@@ -60,7 +60,7 @@ def test_head_matches_the_models(database_url):
 def test_constraint_names_match_the_models(database_url):
     """Autogenerate ignores CHECK constraints; compare every constraint's name so later migrations can
     drop them by the names the models give."""
-    engine = make_engine(database_url, pool_size=1, max_overflow=0)
+    engine = make_db_engine(database_url, pool_size=1, max_overflow=0)
     try:
         with engine.connect() as conn:
             rows = conn.execute(text(
@@ -79,7 +79,7 @@ def test_constraint_names_match_the_models(database_url):
 
 
 def test_invariant_triggers_are_installed(database_url):
-    engine = make_engine(database_url, pool_size=1, max_overflow=0)
+    engine = make_db_engine(database_url, pool_size=1, max_overflow=0)
     try:
         with engine.connect() as conn:
             rows = conn.execute(text(

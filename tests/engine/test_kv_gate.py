@@ -1,4 +1,4 @@
-"""The fp8 KV cache gate (services/adapters/kv_gate.py): the check itself on the demo kit, its recorded
+"""The fp8 KV cache gate (services/engine/kv_gate.py): the check itself on the demo kit, its recorded
 verdict, and `mplex engine serve --kv-dtype fp8` refusing a model that has none."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from services.adapters.kv_gate import (KvEvalSet, KvGateRequired, check_fp8_kv, demo_eval_sets, load_verdict,
+from services.engine.kv_gate import (KvEvalSet, KvGateRequired, check_fp8_kv, demo_eval_sets, load_verdict,
                                        model_fingerprint, record_verdict, require_verdict)
 
 

@@ -1,5 +1,5 @@
 """Prefix caching through the KV manager: chained hashes salted by tenant and keyed by adapter."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.manager import KVCacheManager

@@ -9,7 +9,6 @@ import signal
 import time
 
 import httpx
-import pytest
 import redis
 from sqlalchemy import func, select
 
@@ -144,13 +143,13 @@ def test_ledger_survives_postgres_stopping_mid_traffic(stack_env, demo_kit, db, 
     from services.common.embedded import EmbeddedPostgres
     from services.common.migrate import upgrade
     from tests.factories import make_api_key as mk_key, make_tenant as mk_tenant
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
     from sqlalchemy.orm import Session
 
     pg = EmbeddedPostgres(tmp_path / "pg")
     url = pg.start()
     upgrade(url)
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     with Session(engine, expire_on_commit=False) as s:
         tenant = mk_tenant(s)
         key = mk_key(s, tenant=tenant).secret
@@ -178,7 +177,7 @@ def test_ledger_survives_postgres_stopping_mid_traffic(stack_env, demo_kit, db, 
         deadline = time.time() + 60
         rows = []
         while time.time() < deadline:
-            with Session(make_engine(url)) as s:
+            with Session(make_db_engine(url)) as s:
                 rows = list(s.execute(select(UsageEvent).where(UsageEvent.request_id.in_(list(expected)))).scalars())
             if len(rows) == 50:
                 break
@@ -187,7 +186,7 @@ def test_ledger_survives_postgres_stopping_mid_traffic(stack_env, demo_kit, db, 
         for row in rows:
             u = expected[row.request_id]
             assert (row.prompt_tokens, row.completion_tokens) == (u["prompt_tokens"], u["completion_tokens"])
-        with Session(make_engine(url)) as s:
+        with Session(make_db_engine(url)) as s:
             n = s.execute(select(func.count()).select_from(UsageEvent).where(UsageEvent.tenant_id == tenant.id)).scalar_one()
         assert n == 51  # the 50 plus the warm-up, nothing doubled by the replay
     finally:

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 
-from services.common.db import make_engine, make_sessionmaker
+from services.common.db import make_db_engine, make_sessionmaker
 from services.common.models import UsageEvent
 from services.gateway.metering import Meter, UsageRecord
 from services.gateway.spool import Spool
@@ -30,7 +30,7 @@ def _count(db, tenant_id) -> int:
 
 def test_record_lands_once_even_if_sent_twice(db, database_url, tmp_path):
     tenant = make_tenant(db)
-    meter = Meter(make_sessionmaker(make_engine(database_url)), tmp_path / "spool")
+    meter = Meter(make_sessionmaker(make_db_engine(database_url)), tmp_path / "spool")
     rec = _record(tenant.id, f"req-{uuid.uuid4().hex}")
     assert asyncio.run(meter.record(rec)) == "ledger"
     assert asyncio.run(meter.record(rec)) == "ledger"
@@ -41,7 +41,7 @@ def test_record_lands_once_even_if_sent_twice(db, database_url, tmp_path):
 
 def test_postgres_down_spools_durably_and_replay_lands_each_event_exactly_once(db, database_url, tmp_path):
     tenant = make_tenant(db)
-    down = make_sessionmaker(make_engine("postgresql://postgres@127.0.0.1:1/none"))
+    down = make_sessionmaker(make_db_engine("postgresql://postgres@127.0.0.1:1/none"))
     meter = Meter(down, tmp_path / "spool")
     recs = [_record(tenant.id, f"req-{uuid.uuid4().hex}", completion=i) for i in range(5)]
     for rec in recs:
@@ -50,7 +50,7 @@ def test_postgres_down_spools_durably_and_replay_lands_each_event_exactly_once(d
     with pytest.raises(OperationalError):
         meter.replay_once()  # still down: nothing is lost, files stay
     assert meter.spool.depth() == 5
-    up = Meter(make_sessionmaker(make_engine(database_url)), tmp_path / "spool")
+    up = Meter(make_sessionmaker(make_db_engine(database_url)), tmp_path / "spool")
     assert asyncio.run(up.record(recs[0])) == "ledger"  # one event already landed directly: no double count
     assert up.replay_once() == 5
     assert up.spool.depth() == 0 and up.replay_once() == 0

@@ -56,11 +56,11 @@ def web_database_url(service_urls) -> Iterator[str]:
     """A database for the web stack alone, migrated by Alembic, dropped afterwards."""
     from sqlalchemy import make_url, text
 
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
     from services.common.migrate import upgrade
 
     server = make_url(service_urls.database_url)
-    admin = make_engine(server.set(database="postgres").render_as_string(hide_password=False),
+    admin = make_db_engine(server.set(database="postgres").render_as_string(hide_password=False),
                         pool_size=1, max_overflow=0, isolation_level="AUTOCOMMIT")
     name = f"mplex_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"  # the root conftest's pattern: dropped if we die
     try:
@@ -82,10 +82,10 @@ def web_stack(web_dist, web_database_url, stack_env, service_urls, demo_kit, tmp
 
     from services.adapters.base_model import ensure_base_model
     from services.billing.pricebook import seed_demo_prices
-    from services.common.db import make_engine
+    from services.common.db import make_db_engine
     from services.gateway.seed import seed_demo
     kit = demo_kit
-    engine = make_engine(web_database_url, pool_size=2, max_overflow=2)
+    engine = make_db_engine(web_database_url, pool_size=2, max_overflow=2)
     with Session(engine) as s:
         seed = seed_demo(s)
         ensure_base_model(s, name=kit.model_name, model_dir=kit.base_dir)  # prices refer to it

@@ -123,7 +123,7 @@ class NativeAttention:
         n = slot_mapping.shape[0]
         if (slot_mapping.dtype != torch.int64 or slot_mapping.device.type != "cpu" or slot_mapping.dim() != 1
                 or not slot_mapping.is_contiguous() or k.shape[0] != n or v.shape[0] != n):
-            raise ValueError(f"slot_mapping must be a contiguous int64 CPU vector with one slot per row of k and v")
+            raise ValueError("slot_mapping must be a contiguous int64 CPU vector with one slot per row of k and v")
         rc = self._write(k_cache.data_ptr(), k_scales.data_ptr(), v_cache.data_ptr(), v_scales.data_ptr(), num_blocks,
                          block_size, kv_heads, head_dim, k.data_ptr(), max(k.stride(0), kv_heads * head_dim),
                          v.data_ptr(), max(v.stride(0), kv_heads * head_dim), slot_mapping.data_ptr(), n, num_threads)

@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from services.billing.config import BillingConfig
 from services.billing.rollup import current_daily_rows
 from services.billing.statements import month_end
+from services.common.audit import get_tenant
 from services.common.models import AdapterVersion, Tenant, User
 from services.gateway import crud
 from services.gateway.api.auth import actor_of, drop_cached_keys
@@ -155,7 +156,7 @@ def update_tenant(tenant_id: uuid.UUID, body: TenantPatch, user: PlatformAdmin, 
 @router.get("/tenants/{tenant_id}/storage", response_model=StorageOut, responses=_ERRORS_404)
 def get_tenant_storage(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
     """A tenant's adapter storage: bytes used, its quota and what is left."""
-    return storage_out(db, crud.get_tenant(db, tenant_id=tenant_id).id)
+    return storage_out(db, get_tenant(db, tenant_id=tenant_id).id)
 
 
 @router.put("/tenants/{tenant_id}/storage", response_model=StorageOut, responses=_ERRORS_404)
@@ -171,7 +172,7 @@ def set_tenant_storage_quota(tenant_id: uuid.UUID, body: StorageQuotaIn, user: P
 @router.post("/tenants/{tenant_id}/users", status_code=201, response_model=UserOut, responses={**_ERRORS_404, 409: {}})
 def create_user(tenant_id: uuid.UUID, body: UserCreate, user: PlatformAdmin, request: Request, db: SessionDep):
     """A tenant admin or member who signs in to the web app."""
-    tenant = crud.get_tenant(db, tenant_id=tenant_id)
+    tenant = get_tenant(db, tenant_id=tenant_id)
     created = crud.create_user(db, email=body.email, password=body.password, role=body.role, tenant_id=tenant.id,
                                actor=actor_of(request, user))
     db.commit()
@@ -181,7 +182,7 @@ def create_user(tenant_id: uuid.UUID, body: UserCreate, user: PlatformAdmin, req
 @router.get("/tenants/{tenant_id}/users", response_model=ListOf[TenantUserOut], responses=_ERRORS_404)
 def list_tenant_users(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
     """The people who sign in for one tenant (no password hashes, no sessions); 404 for an unknown tenant."""
-    tenant = crud.get_tenant(db, tenant_id=tenant_id)
+    tenant = get_tenant(db, tenant_id=tenant_id)
     return ListOf[TenantUserOut](data=[tenant_user_out(u) for u in crud.list_users(db, tenant_id=tenant.id)])
 
 
@@ -190,7 +191,7 @@ def list_tenant_users(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
 def list_tenant_adapters(tenant_id: uuid.UUID, _: PlatformAdmin, db: SessionDep):
     """One tenant's live adapters with every version's status and gate results (what the tenant sees at
     /api/tenant/adapters, with overriding admins named). An unknown tenant is a 404, not an empty list."""
-    tenant = crud.get_tenant(db, tenant_id=tenant_id)
+    tenant = get_tenant(db, tenant_id=tenant_id)
     items = crud.list_adapters(db, tenant_id=tenant.id)
     names = _override_names(db, [v for item in items for v in item.versions])
     return ListOf[AdapterOut](data=[adapter_out(item, override_names=names) for item in items])

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, StringConstraints
 
+from services.common import audit
 from services.gateway import crud
 from services.gateway.api.auth import actor_of, drop_cached_keys
 from services.gateway.api.views import (
@@ -45,7 +46,7 @@ class KeyCreate(BaseModel):
 @router.get("", response_model=TenantOut, responses=_ERRORS)
 def get_tenant(user: TenantUser, db: SessionDep):
     """The caller's tenant: plan, status and quota limits (null = unlimited)."""
-    return tenant_out(crud.get_tenant(db, tenant_id=user.tenant_id))
+    return tenant_out(audit.get_tenant(db, tenant_id=user.tenant_id))
 
 
 @router.get("/storage", response_model=StorageOut, responses=_ERRORS)
