@@ -141,19 +141,19 @@ def seed_dev_database(database_url: str, kit, existing_key: str | None = None):
     row, and the demo price book (which references that row). Idempotent; returns the seed."""
     from services.adapters.base_model import ensure_base_model
     from services.billing.pricebook import seed_demo_prices
-    from services.common.db import make_engine, make_sessionmaker, session_scope
+    from services.common.db import make_db_engine, make_sessionmaker, session_scope
     from services.common.migrate import upgrade
     from services.gateway.seed import seed_demo
 
     upgrade(database_url)
-    engine = make_engine(database_url, pool_size=1, max_overflow=0)
+    db_engine = make_db_engine(database_url, pool_size=1, max_overflow=0)
     try:
-        with session_scope(make_sessionmaker(engine)) as s:
+        with session_scope(make_sessionmaker(db_engine)) as s:
             seed = seed_demo(s, existing_key=existing_key)
             ensure_base_model(s, name=kit.model_name, model_dir=kit.base_dir)
             seed_demo_prices(s, base_model=kit.model_name, plans=("default",))
     finally:
-        engine.dispose()
+        db_engine.dispose()
     return seed
 
 
