@@ -88,13 +88,16 @@ def celery_config(settings: Any = None) -> dict[str, Any]:
         "include": list(TASK_MODULES),
         "timezone": "UTC",
         "enable_utc": True,
-        "beat_schedule": beat_schedule(),
     }
 
 
 def beat_schedule() -> dict[str, dict[str, Any]]:
     """Every task module's PERIODIC tasks. Each run is idempotent; `expires` drops runs that queued up while
-    no worker was there to take them (the next run does the same work)."""
+    no worker was there to take them (the next run does the same work).
+
+    Only `mplex beat` asks for it, once the app is configured: computed inside `celery_config` it imported
+    the task modules while one of them was half-imported (a task decorator reads the configuration), the
+    lazy configuration failed, and Celery fell back to its defaults -- an AMQP broker and no adapter tasks."""
     schedule = {}
     for module in TASK_MODULES:
         for task, seconds in importlib.import_module(module).PERIODIC.items():

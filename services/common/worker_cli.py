@@ -57,8 +57,11 @@ def beat(
     from services.common.celery_app import app as celery
     from services.common.settings import get_settings
 
+    from services.common.celery_app import beat_schedule
+
     path = schedule or str(get_settings().state_dir / "celerybeat-schedule")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    celery.conf.beat_schedule = beat_schedule()
     celery.Beat(schedule=path, loglevel=loglevel.upper()).run()
 
 
@@ -73,6 +76,7 @@ def run_worker(queues: list[str], *, concurrency: int | None, pool: str, metrics
 
     from services.common.celery_app import app as celery
 
+    _check_configured(celery, queues)
     state = _WorkerState(queues)
     _install_task_metrics()
     server = _serve_http(celery, state, metrics_host, metrics_port, metrics_dir)
@@ -86,6 +90,21 @@ def run_worker(queues: list[str], *, concurrency: int | None, pool: str, metrics
     finally:
         server.shutdown()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _check_configured(celery, queues: list[str]) -> None:
+    """Refuse to start a worker that would consume nothing: every queue has its tasks registered and the
+    broker is the configured one (a configuration that failed to load leaves Celery's defaults -- an AMQP
+    broker on localhost -- and a worker that looks ready while uploads wait forever)."""
+    from services.common.celery_app import celery_config
+
+    celery.loader.import_default_modules()
+    expected = celery_config()["broker_url"]
+    if celery.conf.broker_url != expected:
+        raise RuntimeError(f"Celery is configured for broker {celery.conf.broker_url!r}, not {expected!r}")
+    empty = [q for q in queues if not any(name.startswith(q + ".") for name in celery.tasks)]
+    if empty:
+        raise RuntimeError(f"no tasks registered for queue(s) {empty}; registered: {sorted(celery.tasks)}")
 
 
 class _WorkerState:
@@ -199,6 +218,16 @@ def broker_reachable(celery) -> bool:
         return False
 
 
+# The pool forks its task processes while this process's metrics thread may be answering /ready, which
+# connects to the broker and to Postgres. A child forked in the middle of that inherits libpq's and the
+# clients' locks held by a thread that does not exist in it, and hangs on its first database connection (seen:
+# an upload's validate task running for minutes). So a fork waits for the probe in flight, and a probe
+# waits for the fork.
+_NO_FORK_WHILE_PROBING = threading.Lock()
+os.register_at_fork(before=_NO_FORK_WHILE_PROBING.acquire, after_in_parent=_NO_FORK_WHILE_PROBING.release,
+                    after_in_child=_NO_FORK_WHILE_PROBING.release)
+
+
 def _serve_http(celery, state: _WorkerState, host: str, port: int, metrics_dir: str) -> ThreadingHTTPServer:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -212,13 +241,15 @@ def _serve_http(celery, state: _WorkerState, host: str, port: int, metrics_dir: 
             if self.path == "/health":
                 self._send(200, "application/json", {"status": "ok"})
             elif self.path == "/ready":
-                checks = {"consuming": state.ready.is_set() and not state.stopping.is_set(), "broker": broker_reachable(celery),
-                          "database": database_reachable()}
+                with _NO_FORK_WHILE_PROBING:
+                    checks = {"consuming": state.ready.is_set() and not state.stopping.is_set(),
+                              "broker": broker_reachable(celery), "database": database_reachable()}
                 self._send(200 if all(checks.values()) else 503, "application/json", {"ready": all(checks.values()), "checks": checks,
                                                                                       "queues": state.queues})
             elif self.path == "/metrics":
                 try:
-                    body = generate_latest(registry)
+                    with _NO_FORK_WHILE_PROBING:  # queue depths are read from the broker
+                        body = generate_latest(registry)
                 except Exception as exc:  # e.g. the broker is down while reading queue depths: say so, 503
                     self._send(503, "text/plain", f"metrics unavailable: {exc.__class__.__name__}: {exc}".encode())
                     return
