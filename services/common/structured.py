@@ -145,11 +145,14 @@ class _Walk:
                                      f"the supported subset)", where, "unsupported_schema")
             self.keyword(key, value, where, depth)
         check_bounds(s, at)
+        if ("minLength" in s or "maxLength" in s) and ("pattern" in s or "format" in s):
+            where = f"{at}.{'pattern' if 'pattern' in s else 'format'}"
+            raise InvalidRequest(f"{where} cannot be combined with minLength/maxLength", where, "unsupported_schema")
 
     def keyword(self, key: str, v: Any, at: str, depth: int) -> None:
         if key == "type":
             types = v if isinstance(v, list) else [v]
-            if not types or any(t not in TYPES for t in types):
+            if not types or any(not isinstance(t, str) or t not in TYPES for t in types):
                 raise InvalidRequest(f"{at} must be one of {sorted(TYPES)} or a list of them", at, "invalid_schema")
         elif key in ("enum", "required"):
             if not isinstance(v, list) or not v or (key == "required" and not all(isinstance(x, str) for x in v)):
@@ -196,7 +199,7 @@ class _Walk:
                 re.compile(v)
             except (re.error, TypeError):
                 raise InvalidRequest(f"{at} must be a valid regular expression", at, "invalid_schema") from None
-        elif key == "format" and v not in FORMATS:
+        elif key == "format" and (not isinstance(v, str) or v not in FORMATS):
             raise InvalidRequest(f"unsupported format {v!r} at {at}; supported: {sorted(FORMATS)}", at,
                                  "unsupported_schema")
 

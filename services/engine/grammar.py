@@ -77,8 +77,8 @@ class GrammarCache:
             if guide.kind == GUIDE_JSON_OBJECT:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if guide.kind == GUIDE_JSON_SCHEMA:
-                return self._compiler.compile_json_schema(json.dumps(guide.schema), any_whitespace=False,
-                                                          strict_mode=True)
+                return self._compiler.compile_json_schema(json.dumps(_bounded_strings(guide.schema)),
+                                                          any_whitespace=False, strict_mode=True)
             return self._compiler.compile_structural_tag(json.dumps(_tool_calls_tag(guide)))
         except (RuntimeError, ValueError) as exc:  # xgrammar's refusal of a schema it cannot build
             raise InvalidRequest(f"the schema cannot be compiled into a grammar: {_first_line(exc)}",
@@ -95,11 +95,26 @@ def _tool_calls_tag(guide: Guide) -> dict:
     whitespace, as json_schema output is (a structural tag's own json_schema content allows any)."""
     tags = [{"type": "tag", "begin": call_prefix(t.name), "end": CALL_SUFFIX,
              "content": {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(
-                 json.dumps(t.parameters), any_whitespace=False, strict_mode=True))}}
+                 json.dumps(_bounded_strings(t.parameters)), any_whitespace=False, strict_mode=True))}}
             for t in guide.tools]
     return {"type": "structural_tag",
             "format": {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
                        "at_least_one": True, "stop_after_first": not guide.parallel}}
+
+
+def _bounded_strings(schema):
+    """The schema with each length-bounded string written as a pattern. xgrammar 0.2.8 builds minLength /
+    maxLength strings from `[^"\\\r\n]`, which lets raw control characters through (not JSON); the
+    pattern keeps the bounds and admits only characters that need no escape."""
+    if isinstance(schema, list):
+        return [_bounded_strings(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings(v) for k, v in schema.items()}
+    if ("minLength" in out or "maxLength" in out) and "pattern" not in out and "format" not in out:
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+    return out
 
 
 def _first_line(exc: BaseException) -> str:

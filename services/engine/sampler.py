@@ -94,10 +94,17 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temp[:, None]
     u = uniform_from(batch.seeds, batch.counters)
+    plain = _invert_cdf(torch.softmax(scaled, dim=-1, dtype=torch.float64), u)
     if not batch.any_filter:
-        probs = torch.softmax(scaled, dim=-1, dtype=torch.float64)
-        return _invert_cdf(probs, u)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        return plain
+    filtered = (batch.top_k > 0) | (batch.top_p < 1)
+    # Rows without a filter keep the unsorted draw, so what a seeded row samples never depends on whether a
+    # batch mate uses top-k or top-p.
+    return torch.where(filtered, _sample_filtered(scaled, batch, u), plain)
+
+
+def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1, dtype=torch.float64)
     vocab = logits.shape[1]
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), torch.full_like(batch.top_k, vocab))
