@@ -18,6 +18,7 @@ from services.common.tool_calls import split_output
 from services.common.wire import InvalidRequest
 from services.engine.sequence import AdapterRef, SamplingParams
 from tests.engine.conftest import make_engine, run_all
+from tests.fuzzing import json_schemas
 from tests.structured_models import TOOLS, Owner, Pet
 
 PET = to_strict_json_schema(Pet)
@@ -196,37 +197,13 @@ def test_the_grammar_cache_is_bounded_lru(demo_kit):
 
 
 # -- fuzz: schemas from the supported subset compile (or are refused with a 400) and are honoured ----------
-def _schemas():
-    leaf = st.one_of(
-        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-                  st.integers(-50, 50), st.integers(0, 100)),
-        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
-        st.just({"type": "boolean"}), st.just({"type": "null"}),
-        st.lists(st.one_of(st.text("abc", max_size=3), st.integers(-3, 3)), min_size=1, max_size=4, unique=True)
-        .map(lambda v: {"enum": v}),
-        st.builds(lambda lo: {"type": "number", "minimum": lo, "maximum": lo + 10}, st.integers(-5, 5)),
-    )
-
-    def extend(children):
-        props = st.dictionaries(st.text("abcxyz", min_size=1, max_size=4), children, min_size=1, max_size=3)
-        return st.one_of(
-            props.flatmap(lambda p: st.lists(st.sampled_from(sorted(p)), unique=True).map(
-                lambda req: {"type": "object", "properties": p, "required": req, "additionalProperties": False})),
-            st.builds(lambda it, lo, span: {"type": "array", "items": it, "minItems": lo, "maxItems": lo + span},
-                      children, st.integers(0, 2), st.integers(0, 2)),
-            st.lists(children, min_size=1, max_size=3).map(lambda xs: {"anyOf": xs}),
-        )
-
-    return st.recursive(leaf, extend, max_leaves=6)
-
-
 @pytest.fixture(scope="module")
 def fuzz_engine(demo_kit):
     return make_engine(demo_kit.base_dir)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(schema=_schemas(), seed=st.integers(0, 2**32))
+@given(schema=json_schemas(), seed=st.integers(0, 2**32))
 def test_fuzzed_schemas_are_honoured(fuzz_engine, builder, chat, schema, seed):
     engine = fuzz_engine
     try:
