@@ -4,8 +4,10 @@
    every row's output must follow), greedy and sampled, fp32 on the CPU. All rows decode together for the
    whole measured window (free rows ignore eos, constrained rows follow a schema longer than the window), so
    the only difference between the runs is the grammar work: the mask fill on the grammar thread while the
-   forward runs, and the mask in the sampler. Runs alternate on fresh engines; TPOT is the median decode
-   step time, its overhead is the median over paired runs of (constrained / free - 1).
+   forward runs, and the mask in the sampler. Runs alternate on fresh engines; a run's TPOT is its median
+   decode step, a fraction's TPOT its best run (the VM is shared: a neighbour's burst slows a whole run
+   severalfold), its overhead TPOT(constrained) / TPOT(free) - 1. A second table times the grammar work of one step
+   on its own, best of 200, for an estimate free of that noise.
 2. Grammar compile time for the test schemas (tests/structured_models.py and the forced tool-call guide):
    cold (a schema never seen: each variant carries a distinct title, so a distinct content hash) and cached
    (the same guide again), p50 / p99.
@@ -53,14 +55,17 @@ def _run(kit, prompts, fraction: float, temperature: float) -> dict:
             or engine.scheduler.num_waiting:
         engine.step()  # prefill, not measured
     times = []
+    c0 = time.process_time()
     for _ in range(WINDOW):
         t0 = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - t0)
         assert len(outs) == ROWS and not any(o.finished for o in outs), "a row finished inside the window"
+    cpu = time.process_time() - c0  # every thread of the process: the grammar thread's work included
     for rid in list(engine._seqs):
         engine.abort_request(rid)
-    return {"tpot_s": pct(times, 50), "tpot_p90_s": pct(times, 90), "tok_s": ROWS * len(times) / sum(times)}
+    return {"tpot_s": pct(times, 50), "tpot_p90_s": pct(times, 90), "tok_s": ROWS * len(times) / sum(times),
+            "cpu_per_step_s": cpu / WINDOW}
 
 
 def _tpot(kit) -> tuple[list[list], dict, float]:
@@ -76,14 +81,21 @@ def _tpot(kit) -> tuple[list[list], dict, float]:
             order = (0.0, 0.5, 1.0) if rep % 2 == 0 else (1.0, 0.5, 0.0)
             for f in order:
                 runs[f].append(_run(kit, prompts, f, temperature))
-        base = runs[0.0]
         for f, rs in runs.items():
-            ratios = [r["tpot_s"] / b["tpot_s"] - 1 for r, b in zip(rs, base)]
-            over = 100 * pct(ratios, 50)
-            figs[f"{mode}_{int(f * 100)}pct"] = {"runs": rs, "tpot_ms": 1e3 * pct([r["tpot_s"] for r in rs], 50),
-                                                 "tok_s": pct([r["tok_s"] for r in rs], 50), "tpot_overhead_pct": over}
-            rows.append([mode, f"{int(f * 100)}%", figs[f"{mode}_{int(f * 100)}pct"]["tpot_ms"],
-                         figs[f"{mode}_{int(f * 100)}pct"]["tok_s"], over if f else float("nan")])
+            # The VM is shared and a neighbour's burst makes a run several times slower, so each fraction's
+            # TPOT is its least disturbed run (the best of REPEATS, runs interleaved across fractions), as in
+            # the other CPU benchmarks here; CPU seconds per step (all threads, the grammar thread included)
+            # are reported beside it.
+            best = min(rs, key=lambda r: r["tpot_s"])
+            fig = {"runs": rs, "tpot_ms": 1e3 * best["tpot_s"], "cpu_ms_per_step": 1e3 * best["cpu_per_step_s"],
+                   "tok_s": best["tok_s"]}
+            figs[f"{mode}_{int(f * 100)}pct"] = fig
+        free = figs[f"{mode}_0pct"]["tpot_ms"]
+        for f in runs:
+            fig = figs[f"{mode}_{int(f * 100)}pct"]
+            fig["tpot_overhead_pct"] = over = 100 * (fig["tpot_ms"] / free - 1)
+            rows.append([mode, f"{int(f * 100)}%", fig["tpot_ms"], fig["cpu_ms_per_step"], fig["tok_s"],
+                         over if f else float("nan")])
             if f == 1.0:
                 overhead_100 = over if mode == "greedy" else max(overhead_100, over)
     return rows, figs, overhead_100
@@ -106,8 +118,9 @@ def _components(kit) -> tuple[list[list], dict]:
     matchers = [cache.matcher(guide) for _ in range(ROWS)]
     for m in matchers:
         m.raw.accept_string("[1, ")
-    filler = MaskFiller(vocab)
+    filler = MaskFiller(vocab, threaded=True)
     bitmask = filler.fill(matchers)
+    filler.fill_seconds = 1.0  # as if fills were long: start() hands them to the worker thread
     logits = torch.randn(ROWS, vocab)
     rows_t = torch.arange(ROWS)
     digit = engine.tokenizer.encode("7")[0]
@@ -128,7 +141,7 @@ def _components(kit) -> tuple[list[list], dict]:
             m.raw.rollback(1)
 
     figs = {"fill_ms": best(lambda: filler.fill(matchers)),
-            "submit_and_wait_ms": best(lambda: filler.submit(matchers).result()),
+            "thread_hand_off_and_fill_ms": best(lambda: filler.start(matchers).result()),
             "apply_mask_ms": best(lambda: apply_bitmask(logits, rows_t, bitmask)),
             "accept_and_rollback_ms": best(accept_and_back)}
     return [[k, v] for k, v in figs.items()], figs
@@ -191,7 +204,7 @@ def _engines(kit) -> tuple[list[list], dict]:
     # A valid answer, written as the grammar writes it (compact separators, schema property order).
     prompt = builder.chat_ids([{"role": "user", "content": "x"}])
     answer = engine.generate([prompt], SamplingParams(max_tokens=400, temperature=0, guide=guide.text))[0][:-1]
-    filler = MaskFiller(vocab)
+    filler = MaskFiller(vocab, threaded=False)
     matchers = [cache.matcher(guide.text) for _ in range(ROWS)]
     t0 = time.perf_counter()
     for tok in answer:
@@ -241,7 +254,7 @@ def main() -> None:
     kit = ensure_demo()
     tpot_rows, tpot, overhead = _tpot(kit)
     print(table(f"decode step, {ROWS} rows, {WINDOW} steps, {REPEATS} paired runs",
-                ["mode", "constrained", "TPOT ms", "tok/s", "TPOT overhead %"], tpot_rows))
+                ["mode", "constrained", "TPOT ms", "CPU ms/step", "tok/s", "TPOT overhead %"], tpot_rows))
     comp_rows, comp_figs = _components(kit)
     print(table(f"grammar work of one {ROWS}-row step, best of 200", ["part", "ms"], comp_rows))
     compile_rows, compile_figs = _compile(kit)

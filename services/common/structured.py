@@ -154,10 +154,12 @@ class _Walk:
             types = v if isinstance(v, list) else [v]
             if not types or any(not isinstance(t, str) or t not in TYPES for t in types):
                 raise InvalidRequest(f"{at} must be one of {sorted(TYPES)} or a list of them", at, "invalid_schema")
-        elif key in ("enum", "required"):
-            if not isinstance(v, list) or not v or (key == "required" and not all(isinstance(x, str) for x in v)):
-                raise InvalidRequest(f"{at} must be a non-empty list" + (" of strings" if key == "required" else ""),
-                                     at, "invalid_schema")
+        elif key == "enum":
+            if not isinstance(v, list) or not v:
+                raise InvalidRequest(f"{at} must be a non-empty list", at, "invalid_schema")
+        elif key == "required":
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise InvalidRequest(f"{at} must be a list of property names", at, "invalid_schema")
         elif key in ("anyOf", "allOf", "prefixItems"):
             if not isinstance(v, list) or not v:
                 raise InvalidRequest(f"{at} must be a non-empty list of schemas", at, "invalid_schema")

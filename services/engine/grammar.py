@@ -154,21 +154,45 @@ class Matcher:
 
 
 class MaskFiller:
-    """Fills the step's bitmask ([constrained rows, ceil(vocab / 32)] int32) on one worker thread, so the
-    grammar work overlaps the forward; the sampler waits for it only when it needs it."""
+    """Fills the step's bitmask ([constrained rows, ceil(vocab / 32)] int32) while the forward runs.
 
-    def __init__(self, vocab_size: int):
+    On a GPU the forward's kernels are queued asynchronously, so filling on the step thread after launching
+    them already overlaps the GPU's work. On the CPU the forward holds the step thread, so the fill goes to
+    one worker thread -- when it is long enough to pay for the hand-off (~0.1 ms): a fill measured shorter
+    than `INLINE_BELOW_S` (small vocabularies, few rows) is done after the forward instead."""
+
+    INLINE_BELOW_S = 2e-4
+
+    def __init__(self, vocab_size: int, threaded: bool):
         self.words = (vocab_size + 31) // 32
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self.threaded = threaded
+        self.fill_seconds = 0.0  # exponential mean of recent fills
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask") if threaded else None
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
-    def submit(self, matchers: list[Matcher]) -> Future[torch.Tensor]:
-        return self._pool.submit(self.fill, matchers)
+    def start(self, matchers: list[Matcher]) -> PendingMask:
+        if self._pool is not None and self.fill_seconds >= self.INLINE_BELOW_S:
+            return PendingMask(self._pool.submit(self.fill, matchers), None, self)
+        return PendingMask(None, matchers, self)
 
     def fill(self, matchers: list[Matcher]) -> torch.Tensor:
+        t0 = time.perf_counter()
         bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)
         self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], bitmask)
+        self.fill_seconds = 0.9 * self.fill_seconds + 0.1 * (time.perf_counter() - t0)
         return bitmask
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
+
+@dataclass(slots=True)
+class PendingMask:
+    """A step's mask being filled on the worker thread (`future`), or to be filled when asked (`matchers`)."""
+
+    future: Future[torch.Tensor] | None
+    matchers: list[Matcher] | None
+    filler: MaskFiller
+
+    def result(self) -> torch.Tensor:
+        if self.future is not None:
+            return self.future.result()
+        assert self.matchers is not None
+        return self.filler.fill(self.matchers)

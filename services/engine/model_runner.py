@@ -254,20 +254,20 @@ class ModelRunner:
 
             lora = StepLora(adapters, inputs.token_slots, inputs.lora_runs)
         guided = [row for row, s in enumerate(inputs.sampled) if s.seq.matcher is not None]
-        masks = self._mask_filler().submit([inputs.sampled[r].seq.matcher for r in guided]) if guided else None
+        masks = self._mask_filler().start([inputs.sampled[r].seq.matcher for r in guided]) if guided else None
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         if not inputs.sampled:
             return inputs, None
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
         batch = self.sampling_batch(inputs.sampled)
-        if masks is not None:  # filled on the grammar thread while the forward ran
+        if masks is not None:  # filled while the forward ran (grammar.MaskFiller)
             batch.guided_rows = torch.tensor(guided, dtype=torch.int64, device=self.device)
             batch.bitmask = masks.result().to(self.device, non_blocking=True)
         return inputs, sample(logits, batch)
 
     def _mask_filler(self) -> MaskFiller:
         if self._masks is None:
-            self._masks = MaskFiller(self.model.config.vocab_size)
+            self._masks = MaskFiller(self.model.config.vocab_size, threaded=torch.device(self.device).type == "cpu")
         return self._masks
 
 

@@ -13,7 +13,8 @@ from openai.lib._pydantic import to_strict_json_schema
 
 from services.common.lora_format import content_id
 from services.common.prompting import PromptBuilder
-from services.common.structured import GUIDE_JSON_OBJECT, GUIDE_JSON_SCHEMA, GUIDE_TOOL_CALLS, Guide, check_tool
+from services.common.structured import (GUIDE_JSON_OBJECT, GUIDE_JSON_SCHEMA, GUIDE_TOOL_CALLS, Guide, check_schema,
+                                         check_tool)
 from services.common.tool_calls import split_output
 from services.common.wire import InvalidRequest
 from services.engine.sequence import AdapterRef, SamplingParams
@@ -206,6 +207,7 @@ def fuzz_engine(demo_kit):
 @given(schema=json_schemas(), seed=st.integers(0, 2**32))
 def test_fuzzed_schemas_are_honoured(fuzz_engine, builder, chat, schema, seed):
     engine = fuzz_engine
+    check_schema(schema, "schema")  # inside the subset by construction: our checks must accept it
     try:
         engine.add_request("fz", chat[seed % len(chat)],
                            SamplingParams(max_tokens=120, temperature=1.0, seed=seed, guide=_guided(schema)))
@@ -224,9 +226,47 @@ def test_fuzzed_schemas_are_honoured(fuzz_engine, builder, chat, schema, seed):
                                                   "maxItems", "pattern", "required", "format", "x"]), c, max_size=4)),
                          max_leaves=12))
 def test_any_schema_value_is_accepted_or_a_400_never_a_crash(junk):
-    from services.common.structured import check_schema
-
     try:
         check_schema(junk, "response_format.json_schema.schema")
     except InvalidRequest as exc:
         assert exc.param and exc.param.startswith("response_format.json_schema.schema")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(params=st.lists(json_schemas(), min_size=1, max_size=3), parallel=st.booleans(), seed=st.integers(0, 2**32))
+def test_fuzzed_tool_definitions_give_calls_that_parse_and_validate(fuzz_engine, builder, chat, params, parallel, seed):
+    tools = tuple(check_tool({"name": f"f{i}", "parameters": {"type": "object", "properties": {"x": p},
+                                                               "required": ["x"], "additionalProperties": False}},
+                             f"tools[{i}]") for i, p in enumerate(params))
+    guide = Guide(GUIDE_TOOL_CALLS, tools=tools, parallel=parallel).text
+    try:  # the grammar engine may refuse a schema (a 400), never crash
+        fuzz_engine.add_request("tc", chat[seed % len(chat)],
+                                SamplingParams(max_tokens=150, temperature=1.0, seed=seed, guide=guide))
+    except InvalidRequest:
+        return
+    tokens = run_all(fuzz_engine, [])["tc"]
+    if tokens[-1] != 2:
+        return  # ran out of max_tokens inside a call: honest `length`
+    content, calls = split_output(builder.tokenizer.decode(tokens))
+    assert content is None and calls and (parallel or len(calls) == 1)
+    for call in calls:
+        tool = next(t for t in tools if t.name == call.name)
+        jsonschema_rs.validate(tool.parameters, json.loads(call.arguments))
+
+
+def test_masks_filled_on_the_worker_thread_or_after_the_forward_are_the_same(demo_kit, chat):
+    """The demo vocabulary's fills are shorter than a thread hand-off, so they run after the forward; a long
+    fill (a real vocabulary) goes to the worker thread. Both give the same tokens."""
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=8, guide=_guided(PET))
+    reqs = [{"id": f"r{i}", "prompt": p, "params": params} for i, p in enumerate(chat)]
+    inline = make_engine(demo_kit.base_dir)
+    expected = run_all(inline, reqs)
+    assert inline.runner._mask_filler().fill_seconds < inline.runner._mask_filler().INLINE_BELOW_S
+    threaded = make_engine(demo_kit.base_dir)
+    filler = threaded.runner._mask_filler()
+    filler.INLINE_BELOW_S = 0.0  # every fill counts as long enough for the thread
+    handed = []
+    start = filler.start
+    filler.start = lambda matchers: handed.append(p := start(matchers)) or p
+    assert run_all(threaded, reqs) == expected
+    assert handed and all(p.future is not None for p in handed)
