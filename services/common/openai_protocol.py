@@ -22,6 +22,7 @@ from services.common.structured import (
 from services.common.tool_calls import ToolCallStream, split_output
 from services.common.wire import (
     MAX_CHOICES,
+    MAX_GUIDE_CHARS,
     EngineUnavailable,
     MAX_N,
     MAX_PROMPTS,
@@ -210,6 +211,13 @@ class ChatCompletionRequest(_Common):
         return bool(self.tools) and self.tool_mode != "none"
 
     def guide(self) -> Guide | None:
+        guide = self._guide()
+        if guide is not None and len(guide.text) > MAX_GUIDE_CHARS:
+            param = "tools" if guide.kind == GUIDE_TOOL_CALLS else "response_format"
+            raise InvalidRequest(f"the {param} JSON is longer than {MAX_GUIDE_CHARS} characters", param)
+        return guide
+
+    def _guide(self) -> Guide | None:
         tools = self.function_tools()
         mode = self.tool_mode
         fmt = _response_format(self.response_format)

@@ -151,7 +151,7 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
         if self.guide is not None and (not isinstance(self.guide, str) or not 0 < len(self.guide) <= MAX_GUIDE_CHARS):
-            raise InvalidRequest(f"guide must be a JSON text of at most {MAX_GUIDE_CHARS} characters", "response_format")
+            raise InvalidRequest(f"guide must be a JSON text of at most {MAX_GUIDE_CHARS} characters", "guide")
         if self.guide is not None and self.min_tokens:  # banning eos could leave a grammar no legal token
             raise InvalidRequest("min_tokens cannot be combined with response_format or a forced tool call",
                                  "min_tokens")

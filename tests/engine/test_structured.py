@@ -259,14 +259,14 @@ def test_masks_filled_on_the_worker_thread_or_after_the_forward_are_the_same(dem
     fill (a real vocabulary) goes to the worker thread. Both give the same tokens."""
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=8, guide=_guided(PET))
     reqs = [{"id": f"r{i}", "prompt": p, "params": params} for i, p in enumerate(chat)]
-    inline = make_engine(demo_kit.base_dir)
-    expected = run_all(inline, reqs)
-    assert inline.runner._mask_filler().fill_seconds < inline.runner._mask_filler().INLINE_BELOW_S
-    threaded = make_engine(demo_kit.base_dir)
-    filler = threaded.runner._mask_filler()
-    filler.INLINE_BELOW_S = 0.0  # every fill counts as long enough for the thread
-    handed = []
-    start = filler.start
-    filler.start = lambda matchers: handed.append(p := start(matchers)) or p
-    assert run_all(threaded, reqs) == expected
-    assert handed and all(p.future is not None for p in handed)
+    runs = {}
+    for below in (float("inf"), 0.0):  # every fill after the forward; every fill on the worker thread
+        engine = make_engine(demo_kit.base_dir)
+        filler = engine.runner._mask_filler()
+        filler.INLINE_BELOW_S = below
+        handed = []
+        start = filler.start
+        filler.start = lambda matchers, start=start, handed=handed: handed.append(p := start(matchers)) or p
+        runs[below] = run_all(engine, reqs)
+        assert handed and all((p.future is not None) == (below == 0.0) for p in handed)
+    assert runs[0.0] == runs[float("inf")]
