@@ -146,8 +146,8 @@ class ToolCallStream:
                 continue
             start = self.buf.find(CALL_OPEN)
             if start >= 0:
-                before = self.buf[:start]
-                if before.strip():
+                before = self.buf[:start].rstrip()  # whitespace before a call is layout, however it arrived
+                if before:
                     content.append(before)
                 self.buf, self.in_call = self.buf[start + len(CALL_OPEN):], True
                 continue
