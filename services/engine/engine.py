@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from services.common.lora_format import AdapterFormatError
+from services.common.structured import Guide
 from services.engine.admission import LoadTracker
 from services.engine.config import EngineConfig
-from services.common.structured import Guide
 from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
 from services.engine.grammar import GrammarCache
 from services.engine.kv.block_pool import BlockPool
