@@ -59,3 +59,28 @@ def number_like(base):
 
 def lists_of(elem, max_size: int = 12):
     return st.one_of(st.lists(elem, max_size=max_size), st.lists(elem, min_size=60, max_size=80), wrong)
+
+
+def json_schemas():
+    """Schemas inside the supported structured-output subset (structured.SUPPORTED_KEYWORDS), nested."""
+    leaf = st.one_of(
+        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                  st.integers(-50, 50), st.integers(0, 100)),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
+        st.just({"type": "boolean"}), st.just({"type": "null"}),
+        st.lists(st.one_of(st.text("abc", max_size=3), st.integers(-3, 3)), min_size=1, max_size=4, unique=True)
+        .map(lambda v: {"enum": v}),
+        st.builds(lambda lo: {"type": "number", "minimum": lo, "maximum": lo + 10}, st.integers(-5, 5)),
+    )
+
+    def extend(children):
+        props = st.dictionaries(st.text("abcxyz", min_size=1, max_size=4), children, min_size=1, max_size=3)
+        return st.one_of(
+            props.flatmap(lambda p: st.lists(st.sampled_from(sorted(p)), unique=True).map(
+                lambda req: {"type": "object", "properties": p, "required": req, "additionalProperties": False})),
+            st.builds(lambda it, lo, span: {"type": "array", "items": it, "minItems": lo, "maxItems": lo + span},
+                      children, st.integers(0, 2), st.integers(0, 2)),
+            st.lists(children, min_size=1, max_size=3).map(lambda xs: {"anyOf": xs}),
+        )
+
+    return st.recursive(leaf, extend, max_leaves=6)

@@ -11,8 +11,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.common.structured import (
+    GUIDE_JSON_OBJECT,
+    GUIDE_JSON_SCHEMA,
+    GUIDE_TOOL_CALLS,
+    Guide,
+    check_schema,
+    check_tool,
+)
+from services.common.tool_calls import ToolCallStream, split_output
 from services.common.wire import (
     MAX_CHOICES,
+    MAX_GUIDE_CHARS,
     EngineUnavailable,
     MAX_N,
     MAX_PROMPTS,
@@ -23,6 +33,7 @@ from services.common.wire import (
 )
 
 MAX_MESSAGES = 2048
+MAX_TOOLS = 128
 
 
 class StreamOptions(BaseModel):
@@ -82,9 +93,15 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def guide(self) -> Guide | None:
+        """What the output is constrained to (chat only: response_format, forced tool calls)."""
+        return None
+
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Choice 0's params; choice k's are `.with_seed_offset(k)` of these."""
+        guide = self.guide()
         return SamplingParams(
+            guide=guide.text if guide is not None else None,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -140,22 +157,84 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    response_format: Any = None
+    tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
         if len(self.messages) > MAX_MESSAGES:
             raise InvalidRequest(f"messages may hold at most {MAX_MESSAGES} messages", "messages")
-        if self.tools:
-            raise InvalidRequest("tools are not supported by this model", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise InvalidRequest("only response_format type 'text' is supported", "response_format")
+        self.guide()  # checks response_format, tools and tool_choice, naming the field
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
+
+    def function_tools(self) -> list[dict[str, Any]]:
+        """`tools`, checked: OpenAI function tools with names unique and schemas in the supported subset."""
+        if self.tools is None:
+            return []
+        if not isinstance(self.tools, list) or len(self.tools) > MAX_TOOLS:
+            raise InvalidRequest(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+        seen: set[str] = set()
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+                raise InvalidRequest("only tools of type 'function' with a 'function' object are supported",
+                                     f"tools[{i}]")
+            spec = check_tool(t["function"], f"tools[{i}].function")
+            if spec.name in seen:
+                raise InvalidRequest(f"tool name {spec.name!r} appears twice", f"tools[{i}].function.name")
+            seen.add(spec.name)
+        return self.tools
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named (tool_choice names a function). Without tools: none."""
+        c = self.tool_choice
+        if not self.tools:
+            if c not in (None, "none", "auto"):
+                raise InvalidRequest("tool_choice needs tools", "tool_choice")
+            return "none"
+        if c is None:
+            return "auto"
+        if c in ("none", "auto", "required"):
+            return c
+        if isinstance(c, dict) and c.get("type") == "function" and isinstance(c.get("function"), dict):
+            return "named"
+        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_mode != "none"
+
+    def guide(self) -> Guide | None:
+        guide = self._guide()
+        if guide is not None and len(guide.text) > MAX_GUIDE_CHARS:
+            param = "tools" if guide.kind == GUIDE_TOOL_CALLS else "response_format"
+            raise InvalidRequest(f"the {param} JSON is longer than {MAX_GUIDE_CHARS} characters", param)
+        return guide
+
+    def _guide(self) -> Guide | None:
+        tools = self.function_tools()
+        mode = self.tool_mode
+        fmt = _response_format(self.response_format)
+        if mode in ("required", "named"):
+            if fmt is not None:
+                raise InvalidRequest("response_format cannot be combined with a forced tool call", "response_format")
+            specs = [check_tool(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)]
+            if mode == "named":
+                name = self.tool_choice["function"].get("name")
+                specs = [s for s in specs if s.name == name]
+                if not specs:
+                    raise InvalidRequest(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+            return Guide(GUIDE_TOOL_CALLS, tools=tuple(specs), parallel=self.parallel_tool_calls and mode == "required")
+        if fmt is not None and mode == "auto":
+            raise InvalidRequest("response_format cannot be combined with tools under tool_choice 'auto'",
+                                 "response_format")
+        return fmt
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -164,6 +243,30 @@ class ChatCompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _response_format(rf: Any) -> Guide | None:
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format.type")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return Guide(GUIDE_JSON_OBJECT)
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise InvalidRequest("response_format.json_schema must be an object with a name and a schema",
+                             "response_format.json_schema")
+    name = js.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.replace("_", "").replace("-", "").isalnum():
+        raise InvalidRequest("response_format.json_schema.name must be 1-64 letters, digits, underscores or dashes",
+                             "response_format.json_schema.name")
+    if not isinstance(js.get("strict", False), bool) and js.get("strict") is not None:
+        raise InvalidRequest("response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
+    if "schema" not in js:
+        raise InvalidRequest("response_format.json_schema.schema is required", "response_format.json_schema.schema")
+    return Guide(GUIDE_JSON_SCHEMA, schema=check_schema(js["schema"], "response_format.json_schema.schema"))
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str = "max_tokens") -> int:
@@ -223,12 +326,15 @@ class _Choice:
 class ResponseBuilder:
     """Builds OpenAI chunks while streaming, or one response at the end, for one HTTP request."""
 
-    def __init__(self, kind: Literal["chat", "completion"], response_id: str, model: str, n: int, want_logprobs: bool):
+    def __init__(self, kind: Literal["chat", "completion"], response_id: str, model: str, n: int, want_logprobs: bool,
+                 parse_tools: bool = False):
         self.kind, self.id, self.model = kind, response_id, model
         self.created = int(time.time())
         self.want_logprobs = want_logprobs
         self.choices = [_Choice(logprobs=[] if want_logprobs else None) for _ in range(n)]
         self._started = [False] * n
+        # Chat with tools offered: each choice's text is split into content and tool calls as it streams.
+        self._tools = [ToolCallStream() for _ in range(n)] if parse_tools and kind == "chat" else None
 
     def add(self, d: Delta) -> None:
         c = self.choices[d.index]
@@ -241,16 +347,30 @@ class ResponseBuilder:
     def chunk(self, d: Delta) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": d.text}
+            delta, finish = self._chat_delta(d)
             if not self._started[d.index]:
-                delta = {"role": "assistant", "content": d.text}
+                delta = {"role": "assistant", **delta}
                 self._started[d.index] = True
-            choice: dict[str, Any] = {"index": d.index, "delta": delta, "finish_reason": d.finish_reason}
+            choice: dict[str, Any] = {"index": d.index, "delta": delta, "finish_reason": finish}
             choice["logprobs"] = {"content": [_chat_lp(x) for x in d.logprobs]} if self.want_logprobs and d.logprobs else None
         else:
             choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason}
             choice["logprobs"] = _completion_lp(d.logprobs) if self.want_logprobs and d.logprobs else None
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def _chat_delta(self, d: Delta) -> tuple[dict[str, Any], str | None]:
+        if self._tools is None:
+            return {"content": d.text}, d.finish_reason
+        stream = self._tools[d.index]
+        before = len(stream.calls)
+        content, calls = stream.push(d.text)
+        if d.finish_reason:
+            tail, _ = stream.flush()
+            content += tail
+        delta: dict[str, Any] = {"content": content if content or not calls else None}
+        if calls:
+            delta["tool_calls"] = [{"index": before + k, **c.to_message()} for k, c in enumerate(calls)]
+        return delta, _finish_with_calls(d.finish_reason, bool(stream.calls))
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -261,10 +381,18 @@ class ResponseBuilder:
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
             if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if self._tools is not None:
+                    content, calls = split_output(text)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call.to_message() for call in calls]
+                    finish = _finish_with_calls(finish, bool(calls))
                 item: dict[str, Any] = {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": c.finish_reason,
+                    "message": message,
+                    "finish_reason": finish,
                     "logprobs": {"content": [_chat_lp(x) for x in c.logprobs]} if c.logprobs is not None else None,
                 }
             else:
@@ -277,6 +405,11 @@ class ResponseBuilder:
             choices.append(item)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage.to_dict()}
+
+
+def _finish_with_calls(reason: str | None, called: bool) -> str | None:
+    """A choice that ended on its own after calling tools finished with `tool_calls` (as OpenAI reports)."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _chat_lp(x: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class OpenAIPlan:
         return sum(len(j.prompt_ids) + j.params.max_tokens for j in self.jobs)
 
     @property
+    def parses_tool_calls(self) -> bool:
+        return isinstance(self.request, ChatCompletionRequest) and self.request.parses_tool_calls
+
+    @property
     def want_logprobs(self) -> bool:
         return self.jobs[0].params.logprobs is not None
 
@@ -111,7 +115,7 @@ def plan_request(
     if isinstance(req, ChatCompletionRequest):
         if _chars(req.messages) > max_chars:
             raise _too_long(max_model_len, "messages")
-        ids = builder.chat_ids(req.messages)
+        ids = builder.chat_ids(req.messages, req.function_tools() or None)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), max_model_len, param)
         params = req.sampling(max_tokens, req.num_logprobs)
@@ -216,7 +220,7 @@ async def stream_sse(
     handed to the connection, for the tokens it carries (a hung-up client is billed for those only). A
     refusal or engine failure mid-stream ends the stream with an OpenAI error event (`on_error` hears of
     it), not a broken connection."""
-    builder = ResponseBuilder(plan.kind, response_id, model, len(plan.jobs), plan.want_logprobs)
+    builder = ResponseBuilder(plan.kind, response_id, model, len(plan.jobs), plan.want_logprobs, plan.parses_tool_calls)
     usage = Usage()
     pending = [0] * len(plan.jobs)  # tokens received per choice whose text has not been sent yet
     try:
@@ -246,7 +250,7 @@ async def stream_sse(
 async def collect(
     plan: OpenAIPlan, response_id: str, model: str, items: AsyncIterator[tuple[Delta, Usage | None]]
 ) -> tuple[dict, Usage]:
-    builder = ResponseBuilder(plan.kind, response_id, model, len(plan.jobs), plan.want_logprobs)
+    builder = ResponseBuilder(plan.kind, response_id, model, len(plan.jobs), plan.want_logprobs, plan.parses_tool_calls)
     usage = Usage()
     try:
         async for delta, u in items:

@@ -13,6 +13,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from services.common.tool_calls import flatten_tool_messages
 from services.common.wire import InvalidRequest
 
 
@@ -56,6 +57,9 @@ class PromptBuilder:
         # The longest text one token can stand for (byte-level vocabularies: one character per byte).
         self.max_token_chars = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
         self._template = None
+        # A template that reads `tools` renders tool definitions, calls and results itself (HF convention);
+        # for one that does not, tool_calls.flatten_tool_messages writes them into plain turns.
+        self.native_tools = bool(template) and "tools" in template
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
@@ -71,30 +75,43 @@ class PromptBuilder:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
         if not messages:
             raise InvalidRequest("messages must not be empty", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+                role = m.get("role") if isinstance(m, dict) else None
+                raise InvalidRequest(f"unsupported role {role!r}", f"messages[{i}].role")
+        extra: dict[str, Any] = {}
+        if self.native_tools:
+            extra["tools"] = tools or None
+        else:
+            messages = flatten_tool_messages(messages, tools)
         clean = []
         for i, m in enumerate(messages):
-            role = m.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise InvalidRequest(f"unsupported role {role!r}", f"messages[{i}].role")
-            clean.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"), i)})
+            role = m["role"]
+            item = {"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"), i)}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                if self.native_tools and key in m:
+                    item[key] = m[key]
+            clean.append(item)
         try:
             return self._template.render(
                 messages=clean,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except TemplateError as exc:
             raise InvalidRequest(f"messages do not fit the chat template: {exc}", "messages") from None
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already writes the special tokens, as in HF's apply_chat_template(tokenize=True).
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self.tokenizer.encode(self.render_chat(messages, tools=tools), add_special_tokens=False).ids
 
     def text_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids

@@ -26,6 +26,7 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): 1/t would overflow float32
 SEED_MIN, SEED_END = -(2**63), 2**64  # signed or unsigned 64-bit seeds are both accepted
+MAX_GUIDE_CHARS = 64 * 1024  # a structured-output spec's JSON text (structured.Guide owns what it holds)
 
 # A failure's owner travels with it from the engine to the gateway (response header on errors, a field
 # on an in-stream error line): only the engine's own faults are retried on another engine.
@@ -119,6 +120,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: chosen token's logprob plus top-n alternatives
     skip_special_tokens: bool = True
+    # What the output is constrained to: a structured.Guide's canonical JSON text (the engine parses and
+    # compiles it, refusing what it cannot enforce); None: free text.
+    guide: str | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
@@ -146,6 +150,11 @@ class SamplingParams:
             raise InvalidRequest(f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+        if self.guide is not None and (not isinstance(self.guide, str) or not 0 < len(self.guide) <= MAX_GUIDE_CHARS):
+            raise InvalidRequest(f"guide must be a JSON text of at most {MAX_GUIDE_CHARS} characters", "guide")
+        if self.guide is not None and self.min_tokens:  # banning eos could leave a grammar no legal token
+            raise InvalidRequest("min_tokens cannot be combined with response_format or a forced tool call",
+                                 "min_tokens")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean", name)

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from services.common.lora_format import AdapterFormatError
+from services.common.structured import Guide
 from services.engine.admission import LoadTracker
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
+from services.engine.grammar import GrammarCache
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.host_pool import HostBlockPool
 from services.engine.kv.manager import KVCacheManager
@@ -118,6 +120,7 @@ class LLMEngine:
         kv_dtype = "fp8_e4m3" if config.cache.is_fp8 else config.dtype
         self.metrics.set_kv_cache_info(kv_dtype, self.runner.kv_bytes_per_token)
         self.stats = StepStats()
+        self._grammars: GrammarCache | None = None  # made for the first constrained request
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
@@ -170,6 +173,8 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, priority, cache_salt, adapter,
                        tenant=tenant, weight=weight)
         seq.clamped_from = clamped
+        if params.guide is not None:  # a schema the grammar engine refuses is this request's 400
+            seq.matcher = self.grammars.matcher(params.guide)
         self._seqs[request_id] = seq
         self._streams[request_id] = _Stream(
             DecodeStream(self.tokenizer, params.skip_special_tokens), StopMatcher(params.stop)
@@ -178,7 +183,15 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         return seq
 
+    @property
+    def grammars(self) -> GrammarCache:
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if params.guide is not None:
+            Guide.parse(params.guide, "response_format")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
@@ -417,9 +430,14 @@ class LLMEngine:
         reason = None
         text = ""
         stop_string = False
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.accept(token):  # the mask allowed it: an engine fault, this request's only
+                raise RuntimeError(f"the grammar refused sampled token {token}")
+            grammar_done = seq.matcher.is_terminated
         if past_min and token in p.stop_token_ids:
             reason = "stop"
-        elif past_min and not p.ignore_eos and token in self.eos_token_ids:
+        elif (past_min and not p.ignore_eos and token in self.eos_token_ids) or grammar_done:
             reason = "stop"
         else:
             text, stop_string = stream.stops.push(stream.decoder.push(token), check=past_min)

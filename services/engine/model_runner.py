@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.config import KV_SCALE_DTYPE
+from services.engine.grammar import MaskFiller
 from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan
 from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
 from services.engine.model.attention import (AttnGroup, AttnMetadata, DecodeGroup, DecodeKernel, Fp8Writer, LayerKV,
@@ -73,6 +74,7 @@ class ModelRunner:
         ]
 
         self.host_blocks: list[torch.Tensor] = []  # the host tier: one CPU tensor per kv_block_tensors() entry
+        self._masks: MaskFiller | None = None  # made on the first constrained step
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -251,11 +253,22 @@ class ModelRunner:
             from services.engine.lora.step import StepLora
 
             lora = StepLora(adapters, inputs.token_slots, inputs.lora_runs)
+        guided = [row for row, s in enumerate(inputs.sampled) if s.seq.matcher is not None]
+        masks = self._mask_filler().start([inputs.sampled[r].seq.matcher for r in guided]) if guided else None
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         if not inputs.sampled:
             return inputs, None
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
-        return inputs, sample(logits, self.sampling_batch(inputs.sampled))
+        batch = self.sampling_batch(inputs.sampled)
+        if masks is not None:  # filled while the forward ran (grammar.MaskFiller)
+            batch.guided_rows = torch.tensor(guided, dtype=torch.int64, device=self.device)
+            batch.bitmask = masks.result().to(self.device, non_blocking=True)
+        return inputs, sample(logits, batch)
+
+    def _mask_filler(self) -> MaskFiller:
+        if self._masks is None:
+            self._masks = MaskFiller(self.model.config.vocab_size, threaded=torch.device(self.device).type == "cpu")
+        return self._masks
 
 
 def _slot_runs(scheduled: list[ScheduledSeq]) -> tuple[tuple[int, int, int], ...] | None:

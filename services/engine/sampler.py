@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs, and the grammar
+mask of constrained rows (structured output), applied before any of them.
 
 Randomness is counter-based: each row draws one uniform from hash(seed, output position), then
 inverts its (filtered) CDF. A seeded request therefore samples the same tokens whatever its batch
@@ -43,6 +44,8 @@ class SamplingBatch:
     counters: torch.Tensor  # [B] int64: index of the output token being sampled
     banned_rows: torch.Tensor | None = None  # with banned_cols: (row, token) pairs forced to -inf (min_tokens)
     banned_cols: torch.Tensor | None = None
+    guided_rows: torch.Tensor | None = None  # [R] int64 rows under a grammar, with their bitmask
+    bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: bit t of row r set = token t allowed
     num_logprobs: int = -1  # -1: no logprobs; k >= 0: chosen token's logprob plus top-k
     all_greedy: bool = False
     any_filter: bool = False  # some row uses top-k or top-p
@@ -58,6 +61,8 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [B, V] float32 -> one token per row."""
+    if batch.bitmask is not None:
+        logits = apply_bitmask(logits, batch.guided_rows, batch.bitmask)
     if batch.banned_rows is not None:
         logits = logits.index_put((batch.banned_rows, batch.banned_cols), torch.tensor(float("-inf")))
     greedy_tokens = logits.argmax(dim=-1)
@@ -75,14 +80,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return out
 
 
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens of the given rows to -inf (a new tensor; other rows untouched). One batched op over
+    the constrained rows: the unconstrained ones are not read."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temp[:, None]
     u = uniform_from(batch.seeds, batch.counters)
+    plain = _invert_cdf(torch.softmax(scaled, dim=-1, dtype=torch.float64), u)
     if not batch.any_filter:
-        probs = torch.softmax(scaled, dim=-1, dtype=torch.float64)
-        return _invert_cdf(probs, u)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        return plain
+    filtered = (batch.top_k > 0) | (batch.top_p < 1)
+    # Rows without a filter keep the unsorted draw, so what a seeded row samples never depends on whether a
+    # batch mate uses top-k or top-p.
+    return torch.where(filtered, _sample_filtered(scaled, batch, u), plain)
+
+
+def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1, dtype=torch.float64)
     vocab = logits.shape[1]
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), torch.full_like(batch.top_k, vocab))

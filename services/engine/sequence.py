@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.wire import AdapterRef, InvalidRequest, Priority, SamplingParams
+from services.engine.grammar import Matcher
 
 __all__ = ["AdapterRef", "InvalidRequest", "Priority", "SamplingParams", "Sequence", "Status"]
 
@@ -42,6 +43,7 @@ class Sequence:
     last_token_time: float | None = None
     lora_slot: int = -1  # device slot of its adapter while running; -1 = base model
     slot_wait_steps: int = 0  # steps spent waiting for a device slot while its adapter was host-resident
+    matcher: Matcher | None = None  # its grammar state when the output is constrained (params.guide)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -31,7 +31,7 @@ def _run(engine, requests) -> tuple[dict[str, list[int]], dict[str, BaseExceptio
             if out.error is not None:
                 errors[out.request_id] = out.error
                 assert out.finished and out.finish_reason == "error"
-            tokens[out.request_id] += out.new_token_ids
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.check_integrity()
     engine.check_integrity()
     assert engine.kv.pool.num_used == 0 or engine.config.cache.enable_prefix_caching
@@ -203,3 +203,24 @@ def _engine_with(model, cpu_attention: str = "auto", failpoints=(), max_seqs: in
 
 def _failures(engine, where: str) -> float:
     return engine.metrics.request_failures.labels(model=engine.config.model_name, where=where)._value.get()
+
+
+def test_a_grammar_failure_fails_only_its_constrained_request(tiny_model):
+    """A matcher in a state the grammar engine cannot go on from (here: already terminated) fails its own
+    request -- whether the mask fill or the token's acceptance is what raises -- and the free and the other
+    constrained requests of the same steps finish exactly as they would have."""
+    from services.common.structured import GUIDE_JSON_OBJECT, Guide
+
+    guided = SamplingParams(max_tokens=10, temperature=0, guide=Guide(GUIDE_JSON_OBJECT).text)
+    clean = [(f"r{i}", p, _greedy()) for i, p in enumerate(_prompts(3))] + [("g", _prompts(4)[3], guided)]
+    expected, errors = _run(_engine_with(tiny_model), clean)
+    assert not errors
+    engine = _engine_with(tiny_model)
+    for rid, prompt, params in clean:
+        engine.add_request(rid, prompt, params)
+    seq = engine.add_request("bad", [5, 6, 8], guided)
+    assert seq.matcher.raw.accept_string("{}") and seq.matcher.accept(engine.eos_token_ids[0])
+    assert seq.matcher.is_terminated
+    tokens, errors = _run(engine, [])
+    assert set(errors) == {"bad"} and isinstance(errors["bad"], RequestFailed)
+    assert {rid: tokens[rid] for rid, _, _ in clean} == expected

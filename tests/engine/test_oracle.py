@@ -15,7 +15,7 @@ import torch
 from services.common.prompting import PromptBuilder
 from services.engine.sequence import SamplingParams
 from tests.engine.conftest import make_engine, record_swaps, run_all
-from tests.engine.oracle import TieLog, hf_greedy
+from tests.engine.oracle import TIE_GAP, TieLog, hf_greedy
 
 MAX_NEW = 40
 SYSTEM = "You are a careful assistant. Answer briefly and exactly. " * 4
@@ -136,3 +136,60 @@ def test_swap_with_prefix_hits_from_a_shared_system_prompt(demo_kit, hf_model):
     assert swaps and engine.metrics.prefix_hit_tokens._value.get() >= 7 * 8
     assert engine.kv.num_swap_shared_blocks > 0  # shared cached blocks were left in place, not copied
     assert engine.kv.host.num_used == 0
+
+
+# -- constrained decoding ---------------------------------------------------------------------------------
+GUIDED_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string", "maxLength": 40}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["red", "blue", "green"]}, "maxItems": 3}},
+    "required": ["answer", "count", "tags"], "additionalProperties": False}
+
+
+def _allowed(matcher, vocab: int) -> torch.Tensor:
+    """The oracle's own mask: xgrammar's bitmask for this state, unpacked here (not by the engine)."""
+    import xgrammar as xgr
+
+    bits = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bits)
+    words = bits[0].tolist()
+    return torch.tensor([(words[t // 32] >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["alone", "with-free-rows"])
+def test_greedy_constrained_is_the_oracle_argmax_over_the_legal_tokens(demo_kit, hf_model, prompts, references, batch):
+    """At every step the engine's constrained greedy token is HF fp32's argmax over the tokens the grammar
+    allows, so the mask never changes a legal argmax: wherever the unconstrained argmax is legal it is the
+    one chosen, and an unconstrained output that already satisfies the grammar comes out unchanged.
+    With free rows in the same batch, those rows still match the unconstrained oracle."""
+    import xgrammar as xgr
+
+    from services.common.structured import GUIDE_JSON_SCHEMA, Guide
+
+    guide = Guide(GUIDE_JSON_SCHEMA, schema=GUIDED_SCHEMA)
+    engine = make_engine(demo_kit.base_dir)
+    vocab = hf_model.config.vocab_size
+    params = SamplingParams(max_tokens=80, temperature=0, guide=guide.text)
+    guided = [{"id": f"g{i}", "prompt": p, "params": params} for i, p in enumerate(prompts[:6])]
+    free = _requests(prompts[6:12], "f") if batch else []
+    out = run_all(engine, guided + free)
+    log = TieLog("guided-free")
+    for i, r in enumerate(free):
+        log.check(r["id"], out[r["id"]], references[6 + i])
+    legal_free_argmax = 0
+    for i, r in enumerate(guided):
+        tokens = out[r["id"]]
+        matcher = xgr.GrammarMatcher(engine.grammars.get(guide))
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([r["prompt"] + tokens])).logits[0, len(r["prompt"]) - 1:].float()
+        for k, tok in enumerate(tokens):
+            allowed = _allowed(matcher, vocab)
+            masked = logits[k].masked_fill(~allowed, float("-inf"))
+            top2 = masked.topk(2).values
+            if int(masked.argmax()) != tok:
+                assert float(top2[0] - top2[1]) < TIE_GAP, f"{r['id']} step {k}: {tok} is not the legal argmax"
+                break  # a near tie: the two runs may part here
+            if allowed[int(logits[k].argmax())]:
+                legal_free_argmax += 1
+                assert tok == int(logits[k].argmax())
+            assert matcher.accept_token(tok)
+    assert legal_free_argmax > 20, "no step where the unconstrained argmax was legal: the check said nothing"

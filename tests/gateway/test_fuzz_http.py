@@ -28,6 +28,7 @@ from tests.fuzzing import (
     fuzz_settings,
     good_text,
     ints,
+    json_schemas,
     lists_of,
     number_like,
     texts,
@@ -106,9 +107,19 @@ def chat_bodies(model: str):
             "max_completion_tokens": _f(adv, st.integers(1, 6)),
             "logprobs": _f(adv, st.booleans(), wrong),
             "top_logprobs": _f(adv, st.integers(0, 20)),
-            "response_format": _f(adv, st.just({"type": "text"}), st.one_of(st.just({"type": "json_object"}), wrong)),
-            "tools": _f(adv, st.just([]), wrong),
-            "tool_choice": _f(adv, st.none(), wrong),
+            "response_format": _f(adv, st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}),
+                                                 json_schemas().map(lambda s: {"type": "json_schema", "json_schema": {
+                                                     "name": "fz", "schema": s, "strict": True}})),
+                                  st.one_of(st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": wrong}),
+                                            st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                                                   st.fixed_dictionaries({"name": texts, "schema": wrong})}),
+                                            wrong)),
+            "tools": _f(adv, st.one_of(st.just([]), st.lists(json_schemas().map(lambda s: {
+                "type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": s}}}}),
+                max_size=1)), st.one_of(wrong, st.lists(st.fixed_dictionaries({"type": st.just("function"),
+                                                                               "function": wrong}), max_size=2))),
+            "tool_choice": _f(adv, st.sampled_from([None, "none", "auto", "required"]), wrong),
+            "parallel_tool_calls": _f(adv, st.booleans(), wrong),
         }))
 
 
@@ -144,6 +155,8 @@ def generate_payloads():
                                  lists_of(st.one_of(st.integers(-2, 1600), ints))),
             "ignore_eos": _f(adv, st.booleans(), wrong), "logprobs": st.one_of(st.none(), _f(adv, st.integers(0, 20))),
             "skip_special_tokens": _f(adv, st.booleans(), wrong),
+            "guide": _f(adv, json_schemas().map(lambda s: json.dumps({"type": "json_schema", "schema": s})),
+                        st.one_of(texts, wrong, st.just('{"type": "tool_calls", "tools": []}'))),
             **({"bogus": wrong} if adv else {}),
         })
         adapter = st.one_of(st.none(), st.fixed_dictionaries({

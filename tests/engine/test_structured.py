@@ -1,0 +1,272 @@
+"""Constrained decoding in the engine: every output that ends on its own matches its schema, whatever the
+sampling settings, batch mates, preemption, chunked prefill, prefix hits, adapter or FP8; free rows are not
+touched; grammars are cached by content; a bad guide fails only its own request."""
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.lib._pydantic import to_strict_json_schema
+
+from services.common.lora_format import content_id
+from services.common.prompting import PromptBuilder
+from services.common.structured import (GUIDE_JSON_OBJECT, GUIDE_JSON_SCHEMA, GUIDE_TOOL_CALLS, Guide, check_schema,
+                                         check_tool)
+from services.common.tool_calls import split_output
+from services.common.wire import InvalidRequest
+from services.engine.sequence import AdapterRef, SamplingParams
+from tests.engine.conftest import make_engine, run_all
+from tests.fuzzing import json_schemas
+from tests.structured_models import TOOLS, Owner, Pet
+
+PET = to_strict_json_schema(Pet)
+OWNER = to_strict_json_schema(Owner)
+
+
+@pytest.fixture(scope="module")
+def builder(demo_kit) -> PromptBuilder:
+    return PromptBuilder(demo_kit.base_dir)
+
+
+@pytest.fixture(scope="module")
+def chat(builder):
+    qs = ["Describe a pet.", "Who are you?", "Uppercase: cat dog", "Reverse the words: a b c", "Hello",
+          "Tell me a story about " + "a long road " * 12]
+    return [builder.chat_ids([{"role": "user", "content": q}]) for q in qs]
+
+
+def _guided(schema: dict) -> str:
+    return Guide(GUIDE_JSON_SCHEMA, schema=schema).text
+
+
+def _check_outputs(builder, out: dict[str, list[int]], schema: dict, eos: int = 2) -> int:
+    """Every output that ended with eos is schema-valid JSON; returns how many did."""
+    ended = 0
+    for rid, tokens in out.items():
+        if tokens and tokens[-1] == eos:
+            jsonschema_rs.validate(schema, json.loads(builder.tokenizer.decode(tokens)))
+            ended += 1
+    return ended
+
+
+SETTINGS = [
+    dict(temperature=0),
+    dict(temperature=1.0, seed=1),
+    dict(temperature=0.8, top_p=0.9, seed=2),
+    dict(temperature=1.2, top_k=20, seed=3),
+    dict(temperature=1.0, seed=4, logprobs=3),
+]
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=["greedy", "temp", "top_p", "top_k", "logprobs"])
+def test_every_sampling_setting_gives_schema_valid_output_beside_free_rows(demo_kit, builder, chat, kw):
+    engine = make_engine(demo_kit.base_dir)
+    guided = SamplingParams(max_tokens=300, guide=_guided(PET), **kw)
+    free = SamplingParams(max_tokens=30, temperature=1.0, seed=9)
+    reqs = [{"id": f"g{i}", "prompt": p, "params": guided} for i, p in enumerate(chat)]
+    reqs += [{"id": f"f{i}", "prompt": p, "params": free} for i, p in enumerate(chat)]
+    out = run_all(engine, reqs)
+    assert _check_outputs(builder, {k: v for k, v in out.items() if k[0] == "g"}, PET) == len(chat)
+    # The free rows are exactly what they are without any constrained batch mate.
+    alone = run_all(make_engine(demo_kit.base_dir), [r for r in reqs if r["id"][0] == "f"])
+    assert {k: v for k, v in out.items() if k[0] == "f"} == alone
+
+
+def test_seeded_constrained_sampling_is_reproducible_and_logprobs_see_the_mask(demo_kit, chat):
+    engine = make_engine(demo_kit.base_dir)
+    p = SamplingParams(max_tokens=200, temperature=1.0, seed=11, guide=_guided(PET), logprobs=2)
+    a = engine.generate([chat[0]], p)
+    b = engine.generate([chat[0]], p)
+    assert a == b
+    engine.add_request("lp", chat[0], p)
+    lps = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            lps += o.logprobs or []
+    first = lps[0]  # the first token is forced to '{': it holds all the mass, the rest is masked
+    assert first.logprob == pytest.approx(0.0, abs=1e-5)
+    assert all(lp == float("-inf") for _, lp in first.top[1:])
+
+
+def test_preemption_chunked_prefill_and_prefix_hits(demo_kit, builder, chat):
+    system = "You are a careful assistant. Answer in JSON. " * 4
+    prompts = [builder.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": f"Pet {i}"}])
+               for i in range(8)]
+    need = max(len(p) for p in prompts) + 300
+    for mode in ("recompute", "swap"):
+        engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 24, budget=24,
+                             preemption_mode=mode, swap_space_bytes=8 * 2**20 if mode == "swap" else None)
+        params = SamplingParams(max_tokens=300, temperature=1.0, seed=5, guide=_guided(PET))
+        out = run_all(engine, [{"id": f"r{i}", "prompt": p, "params": params} for i, p in enumerate(prompts)])
+        assert engine.scheduler.num_preemptions > 0, mode
+        assert engine.metrics.prefix_hit_tokens._value.get() > 0
+        assert _check_outputs(builder, out, PET) == len(prompts)
+        # The same seeds without preemption: a preempted matcher goes on exactly where it was.
+        calm = run_all(make_engine(demo_kit.base_dir), [{"id": f"r{i}", "prompt": p, "params": params}
+                                                        for i, p in enumerate(prompts)])
+        assert out == calm, mode
+
+
+@pytest.mark.parametrize("fp8", ["weights", "kv"])
+def test_adapters_and_fp8(demo_kit, builder, chat, fp8):
+    kw = {"weight_dtype": "fp8"} if fp8 == "weights" else {"kv_dtype": "fp8"}
+    engine = make_engine(demo_kit.base_dir, **kw)
+    params = SamplingParams(max_tokens=450, temperature=1.0, seed=3, guide=_guided(OWNER))
+    reqs = []
+    for name, a in demo_kit.adapters.items():
+        ref = AdapterRef(content_id(a.path), name, str(a.path))
+        reqs += [{"id": f"{name}{i}", "prompt": p, "params": params, "adapter": ref} for i, p in enumerate(chat[:3])]
+    reqs += [{"id": f"base{i}", "prompt": p, "params": params} for i, p in enumerate(chat[:3])]
+    out = run_all(engine, reqs)
+    assert _check_outputs(builder, out, OWNER) == len(reqs)
+
+
+def test_stop_strings_and_length_finish_honestly(demo_kit, chat):
+    engine = make_engine(demo_kit.base_dir)
+    engine.add_request("stop", chat[0], SamplingParams(max_tokens=200, temperature=0, guide=_guided(PET), stop=('",',)))
+    engine.add_request("len", chat[0], SamplingParams(max_tokens=5, temperature=0, guide=_guided(PET)))
+    reasons = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert reasons == {"stop": "stop", "len": "length"}
+
+
+def test_json_object_and_forced_tool_calls(demo_kit, builder, chat):
+    engine = make_engine(demo_kit.base_dir)
+    tools = tuple(check_tool(t["function"], "t") for t in TOOLS)
+    calls = Guide(GUIDE_TOOL_CALLS, tools=tools, parallel=True).text
+    one = Guide(GUIDE_TOOL_CALLS, tools=tools[1:], parallel=False).text
+    reqs = [{"id": f"o{i}", "prompt": p, "params": SamplingParams(max_tokens=200, temperature=1.0, seed=i,
+                                                                   guide=Guide(GUIDE_JSON_OBJECT).text)}
+            for i, p in enumerate(chat)]
+    reqs += [{"id": f"c{i}{j}", "prompt": p, "params": SamplingParams(max_tokens=200, temperature=1.0, seed=i, guide=g)}
+             for i, p in enumerate(chat) for j, g in enumerate((calls, one))]
+    out = run_all(engine, reqs)
+    objects = {k: v for k, v in out.items() if k[0] == "o"}
+    assert _check_outputs(builder, objects, {"type": "object"}) >= len(objects) // 2  # sampled: some run long
+    for rid, tokens in out.items():
+        if rid[0] == "o":
+            continue
+        assert tokens[-1] == 2, rid
+        text = builder.tokenizer.decode(tokens)
+        content, parsed = split_output(text)
+        assert content is None and parsed, text
+        for call in parsed:
+            tool = next(t for t in tools if t.name == call.name)
+            jsonschema_rs.validate(tool.parameters, json.loads(call.arguments))
+
+
+def test_a_bad_guide_fails_only_its_request_and_grammars_are_cached_by_content(demo_kit, chat):
+    engine = make_engine(demo_kit.base_dir)
+    engine.add_request("ok", chat[0], SamplingParams(max_tokens=50, temperature=0, guide=_guided(PET)))
+    for bad in ('{"type": "json_schema"}', "not json", '{"type": "regex"}',
+                _guided({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}})):
+        with pytest.raises(InvalidRequest):
+            engine.add_request("bad", chat[1], SamplingParams(max_tokens=5, guide=bad))
+    # A schema that passes our checks but that the grammar engine cannot build: refused, not a crash.
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("backref", chat[1], SamplingParams(max_tokens=5, guide=_guided(
+            {"type": "string", "pattern": "(a)\\1"})))
+    assert e.value.status == 400 and e.value.code == "invalid_schema"
+    engine.add_request("ok2", chat[1], SamplingParams(max_tokens=50, temperature=0, guide=_guided(PET)))
+    out = run_all(engine, [])
+    assert set(out) == {"ok", "ok2"} and all(out.values())
+    assert engine.grammars.stats.misses == 1 and engine.grammars.stats.hits >= 1  # PET compiled once
+
+
+def test_the_grammar_cache_is_bounded_lru(demo_kit):
+    engine = make_engine(demo_kit.base_dir)
+    cache = engine.grammars
+    cache.max_entries = 3
+    guides = [Guide(GUIDE_JSON_SCHEMA, schema={"type": "integer", "maximum": i}) for i in range(5)]
+    for g in guides[:3]:
+        cache.get(g)
+    cache.get(guides[0])  # most recently used now
+    cache.get(guides[3])
+    cache.get(guides[4])
+    assert len(cache) == 3
+    hits = cache.stats.hits
+    cache.get(guides[0])
+    assert cache.stats.hits == hits + 1  # kept: it was used after guides[1] and [2]
+    cache.get(guides[1])
+    assert cache.stats.hits == hits + 1  # evicted
+
+
+# -- fuzz: schemas from the supported subset compile (or are refused with a 400) and are honoured ----------
+@pytest.fixture(scope="module")
+def fuzz_engine(demo_kit):
+    return make_engine(demo_kit.base_dir)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=json_schemas(), seed=st.integers(0, 2**32))
+def test_fuzzed_schemas_are_honoured(fuzz_engine, builder, chat, schema, seed):
+    engine = fuzz_engine
+    check_schema(schema, "schema")  # inside the subset by construction: our checks must accept it
+    try:
+        engine.add_request("fz", chat[seed % len(chat)],
+                           SamplingParams(max_tokens=120, temperature=1.0, seed=seed, guide=_guided(schema)))
+    except InvalidRequest:
+        return  # refused with a 400 naming the field: allowed, a crash is not
+    out = run_all(engine, [])
+    assert not engine.has_unfinished()
+    _check_outputs(builder, out, schema)
+
+
+@settings(max_examples=200, deadline=None)
+@given(junk=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=5)),
+                         lambda c: st.one_of(st.lists(c, max_size=3),
+                                             st.dictionaries(st.sampled_from(
+                                                 ["type", "properties", "items", "enum", "anyOf", "$ref", "minimum",
+                                                  "maxItems", "pattern", "required", "format", "x"]), c, max_size=4)),
+                         max_leaves=12))
+def test_any_schema_value_is_accepted_or_a_400_never_a_crash(junk):
+    try:
+        check_schema(junk, "response_format.json_schema.schema")
+    except InvalidRequest as exc:
+        assert exc.param and exc.param.startswith("response_format.json_schema.schema")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(params=st.lists(json_schemas(), min_size=1, max_size=3), parallel=st.booleans(), seed=st.integers(0, 2**32))
+def test_fuzzed_tool_definitions_give_calls_that_parse_and_validate(fuzz_engine, builder, chat, params, parallel, seed):
+    tools = tuple(check_tool({"name": f"f{i}", "parameters": {"type": "object", "properties": {"x": p},
+                                                               "required": ["x"], "additionalProperties": False}},
+                             f"tools[{i}]") for i, p in enumerate(params))
+    guide = Guide(GUIDE_TOOL_CALLS, tools=tools, parallel=parallel).text
+    try:  # the grammar engine may refuse a schema (a 400), never crash
+        fuzz_engine.add_request("tc", chat[seed % len(chat)],
+                                SamplingParams(max_tokens=150, temperature=1.0, seed=seed, guide=guide))
+    except InvalidRequest:
+        return
+    tokens = run_all(fuzz_engine, [])["tc"]
+    if tokens[-1] != 2:
+        return  # ran out of max_tokens inside a call: honest `length`
+    content, calls = split_output(builder.tokenizer.decode(tokens))
+    assert content is None and calls and (parallel or len(calls) == 1)
+    for call in calls:
+        tool = next(t for t in tools if t.name == call.name)
+        jsonschema_rs.validate(tool.parameters, json.loads(call.arguments))
+
+
+def test_masks_filled_on_the_worker_thread_or_after_the_forward_are_the_same(demo_kit, chat):
+    """The demo vocabulary's fills are shorter than a thread hand-off, so they run after the forward; a long
+    fill (a real vocabulary) goes to the worker thread. Both give the same tokens."""
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=8, guide=_guided(PET))
+    reqs = [{"id": f"r{i}", "prompt": p, "params": params} for i, p in enumerate(chat)]
+    runs = {}
+    for below in (float("inf"), 0.0):  # every fill after the forward; every fill on the worker thread
+        engine = make_engine(demo_kit.base_dir)
+        filler = engine.runner._mask_filler()
+        filler.INLINE_BELOW_S = below
+        handed = []
+        start = filler.start
+        filler.start = lambda matchers, start=start, handed=handed: handed.append(p := start(matchers)) or p
+        runs[below] = run_all(engine, reqs)
+        assert handed and all((p.future is not None) == (below == 0.0) for p in handed)
+    assert runs[0.0] == runs[float("inf")]
