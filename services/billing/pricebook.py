@@ -36,6 +36,7 @@ class ListPrice:
     cached_input: int
     output: int
     adapter_surcharge: int
+    batch_discount_bps: int = 5000  # the Batch API's rate: this share off batch lines' amount
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,10 @@ class Segment:
     value: object
 
 
-def unit_prices(lp: ListPrice | None, contract: Contract | None) -> UnitPrices | None:
-    """List price overlaid with a contract; None when some price is unknown (no list row, no explicit price)."""
+def unit_prices(lp: ListPrice | None, contract: Contract | None, *, batch: bool = False) -> UnitPrices | None:
+    """List price overlaid with a contract; None when some price is unknown (no list row, no explicit price).
+    `batch`: a Batch API line, billed at the list row's batch rate on top of any contract discount (the two
+    discounts compound; the kept share is rounded down to a whole basis point, in the tenant's favour)."""
     cols = ("input", "cached_input", "output", "adapter_surcharge")
     values = {}
     for c in cols:
@@ -77,7 +80,10 @@ def unit_prices(lp: ListPrice | None, contract: Contract | None) -> UnitPrices |
             return None
         values[c] = v
     discount = contract.discount_bps if contract is not None and contract.discount_bps is not None else 0
-    return UnitPrices(**values, keep_bps=BPS - discount)
+    keep = BPS - discount
+    if batch:
+        keep = keep * (BPS - (lp.batch_discount_bps if lp is not None else 0)) // BPS
+    return UnitPrices(**values, keep_bps=keep)
 
 
 class PriceBook:
@@ -102,7 +108,7 @@ class PriceBook:
     def load(cls, session: Session) -> PriceBook:
         lps = [
             ListPrice(p.base_model, p.plan, p.effective_from, p.input_per_mtok_micros, p.cached_input_per_mtok_micros,
-                      p.output_per_mtok_micros, p.adapter_surcharge_per_mtok_micros)
+                      p.output_per_mtok_micros, p.adapter_surcharge_per_mtok_micros, p.batch_discount_bps)
             for p in session.scalars(select(Price))
         ]
         contracts = [
@@ -127,8 +133,9 @@ class PriceBook:
             return None
         return max(active, key=lambda c: (c.base_model is not None, c.effective_from))
 
-    def unit_prices_at(self, tenant_id: uuid.UUID, plan: str, base_model: str, at: datetime) -> UnitPrices | None:
-        return unit_prices(self.list_price_at(base_model, plan, at), self.contract_at(tenant_id, base_model, at))
+    def unit_prices_at(self, tenant_id: uuid.UUID, plan: str, base_model: str, at: datetime, *,
+                       batch: bool = False) -> UnitPrices | None:
+        return unit_prices(self.list_price_at(base_model, plan, at), self.contract_at(tenant_id, base_model, at), batch=batch)
 
     def engine_price_at(self, engine_type: str, at: datetime) -> int | None:
         rows = self._engine.get(engine_type)

@@ -73,6 +73,10 @@ def run_worker(queues: list[str], *, concurrency: int | None, pool: str, metrics
 
     from services.common.celery_app import app as celery
 
+    # Load the lazy configuration here, before the HTTP thread's /ready can touch it: Celery evaluates it
+    # without a lock, and a probe racing the worker's own first read left the worker on the default
+    # (amqp) broker with no tasks.
+    celery.conf.broker_url  # noqa: B018
     state = _WorkerState(queues)
     _install_task_metrics()
     server = _serve_http(celery, state, metrics_host, metrics_port, metrics_dir)
