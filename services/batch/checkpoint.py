@@ -72,9 +72,11 @@ def start(session_factory: sessionmaker[Session], batch_id: uuid.UUID) -> BatchI
         return BatchInfo(b.id, b.tenant_id, b.api_key_id, b.status, b.expires_at)
 
 
-def current_status(session_factory: sessionmaker[Session], batch_id: uuid.UUID) -> BatchStatus:
+def should_stop(session_factory: sessionmaker[Session], batch_id: uuid.UUID) -> bool:
+    """Cancelled, or its completion window is over (read each time: an operator may move either)."""
     with session_factory() as s:
-        return s.scalar(select(Batch.status).where(Batch.id == batch_id))
+        status, expires_at = s.execute(select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)).one()
+    return status != BatchStatus.IN_PROGRESS or expires_at <= datetime.now(timezone.utc)
 
 
 def pending(session_factory: sessionmaker[Session], batch_id: uuid.UUID, *, after: int, limit: int) -> list[PendingLine]:
@@ -120,7 +122,9 @@ def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_i
         b = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
         if b.status in TERMINAL:
             return b.status
-        final = _final_status(b)
+        unanswered = s.scalar(select(BatchLine.line_no).where(BatchLine.batch_id == batch_id,
+                                                              BatchLine.state == LineState.PENDING).limit(1))
+        final = _final_status(b, unanswered is not None)
         now = datetime.now(timezone.utc)
         if final in _SKIP_REASON:
             code, message = _SKIP_REASON[final]
@@ -130,8 +134,7 @@ def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_i
                     state=LineState.SKIPPED, answered_at=now,
                     result=output_line(batch_id, line_no, custom_id, 0, None, {"code": code, "message": message})))
         else:
-            assert not s.scalar(select(BatchLine.line_no).where(BatchLine.batch_id == batch_id,
-                                                                BatchLine.state == LineState.PENDING).limit(1))
+            assert unanswered is None, "a batch completes only when every line is answered"
         b.finalizing_at = b.finalizing_at or now
         b.output_file_id = _write_file(s, store, b, (LineState.DONE,), "output")
         b.error_file_id = _write_file(s, store, b, (LineState.FAILED, LineState.SKIPPED), "errors")
@@ -142,10 +145,11 @@ def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_i
         return final
 
 
-def _final_status(b: Batch) -> BatchStatus:
+def _final_status(b: Batch, unanswered: bool) -> BatchStatus:
     if b.status == BatchStatus.CANCELLING:
         return BatchStatus.CANCELLED
-    if b.expires_at <= datetime.now(timezone.utc):
+    if unanswered:
+        assert b.expires_at <= datetime.now(timezone.utc), "the runner stops early only on cancel or expiry"
         return BatchStatus.EXPIRED
     return BatchStatus.COMPLETED
 

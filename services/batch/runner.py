@@ -9,7 +9,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 from sqlalchemy import select
 
@@ -18,7 +17,7 @@ from services.batch import checkpoint
 from services.batch.checkpoint import BatchInfo, PendingLine
 from services.batch.execute import Answer, BatchPrincipal, NotRun, answer_line, quota_refusal
 from services.batch.pacing import Pacer, PacingConfig
-from services.common.batch_contract import TERMINAL, BatchStatus
+from services.common.batch_contract import TERMINAL
 from services.common.engine_registry import read_snapshots
 from services.common.keys import tenant_cache_salt
 from services.common.models import Tenant
@@ -114,8 +113,7 @@ class _Run:
         if now - self.status_at < _STATUS_EVERY_S:
             return False
         self.status_at = now
-        status = await asyncio.to_thread(checkpoint.current_status, self.gw.session_factory, self.info.id)
-        return status != BatchStatus.IN_PROGRESS or self.info.expires_at <= datetime.now(timezone.utc)
+        return await asyncio.to_thread(checkpoint.should_stop, self.gw.session_factory, self.info.id)
 
     async def _refill(self) -> None:
         if self.queue or self.exhausted:

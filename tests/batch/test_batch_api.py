@@ -3,6 +3,7 @@ Redis and object store. Every answer is checked against the ledger (one row per 
 from __future__ import annotations
 
 import io
+import signal
 import json
 import time
 
@@ -133,14 +134,15 @@ def test_lines_that_fail_at_run_time_go_to_the_error_file(stack, stack_env, demo
 def test_cancel_mid_run_leaves_a_consistent_partial_result(stack, demo_kit, tenant_key, db):
     _, key = tenant_key
     c = client(stack, key)
-    lines = [chat_line(f"c{i}", demo_kit.model_name, f"Tell me a story about {i}", max_tokens=48) for i in range(60)]
+    lines = [chat_line(f"c{i}", demo_kit.model_name, f"Tell me a story about {i}", max_tokens=64, ignore_eos=True)
+             for i in range(200)]
     b = c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions", completion_window="24h")
     wait(c, b.id, until=lambda x: x.request_counts.completed >= 2)
     cancelling = c.batches.cancel(b.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
     b = wait(c, b.id)
     assert b.status == "cancelled" and b.cancelled_at is not None
-    assert 2 <= b.request_counts.completed < 60
+    assert 2 <= b.request_counts.completed < 200
     out, err = assert_consistent(c, db, b)
     skipped = [x for x in err if x["response"] is None]
     assert skipped and all(x["error"]["code"] == "batch_cancelled" for x in skipped)
@@ -151,14 +153,14 @@ def test_cancel_mid_run_leaves_a_consistent_partial_result(stack, demo_kit, tena
 def test_expiry_after_the_completion_window(stack, demo_kit, tenant_key, db):
     _, key = tenant_key
     c = client(stack, key)
-    lines = [chat_line(f"e{i}", demo_kit.model_name, f"Count to {i}", max_tokens=48) for i in range(40)]
+    lines = [chat_line(f"e{i}", demo_kit.model_name, f"Count to {i}", max_tokens=64, ignore_eos=True) for i in range(200)]
     b = c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions", completion_window="24h")
     wait(c, b.id, until=lambda x: x.request_counts.completed >= 1)
     # The window runs out (moved into the past: a 24 h wait is not a test).
     db.execute(update(Batch).where(Batch.id == _row_id(b.id)).values(expires_at=func.now()))
     db.commit()
     b = wait(c, b.id)
-    assert b.status == "expired" and b.expired_at is not None and b.request_counts.completed < 40
+    assert b.status == "expired" and b.expired_at is not None and b.request_counts.completed < 200
     _, err = assert_consistent(c, db, b)
     assert any(x["error"] and x["error"]["code"] == "batch_expired" for x in err)
 
@@ -190,3 +192,24 @@ def _row_id(public_id: str):
 def _files_of(db, tenant) -> int:
     db.expire_all()
     return db.scalar(select(func.count()).select_from(BatchFile).where(BatchFile.tenant_id == tenant.id))
+
+
+def test_worker_killed_mid_batch_resumes_and_answers_every_line_once(stack, demo_kit, tenant_key, db):
+    """SIGKILL the whole worker (parent and pool) mid-batch; a new worker resumes from the checkpoint. Every
+    line is answered exactly once, and the ledger has exactly one row per line."""
+    _, key = tenant_key
+    c = client(stack, key)
+    lines = [chat_line(f"k{i}", demo_kit.model_name, f"Say {i} twice", max_tokens=48, ignore_eos=True) for i in range(150)]
+    b = c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions", completion_window="24h")
+    before = wait(c, b.id, until=lambda x: x.request_counts.completed >= 10)
+    stack.stop(stack.batch_worker, signal.SIGKILL)
+    killed_at = c.batches.retrieve(b.id)
+    assert killed_at.status == "in_progress" and killed_at.request_counts.completed < 150  # it really was mid-run
+    stack.batch_worker = stack.worker("batches", name="batch-worker-2", env=stack.worker_env)
+    b = wait(c, b.id)
+    assert b.status == "completed" and b.request_counts.completed == 150 and b.request_counts.failed == 0
+    assert before.request_counts.completed <= killed_at.request_counts.completed
+    out, err = assert_consistent(c, db, b)
+    assert err == [] and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+    rows = ledger_rows(db, b.id)
+    assert len(rows) == len({r.request_id for r in rows}) == 150
