@@ -55,7 +55,8 @@ def get_file(session: Session, tenant_id: uuid.UUID, public_id: str) -> BatchFil
     row = None if file_id is None else session.scalar(
         select(BatchFile).where(BatchFile.id == file_id, BatchFile.tenant_id == tenant_id, BatchFile.deleted_at.is_(None)))
     if row is None:
-        raise NotFoundError(f"No such File object: {public_id[:80]}", param="file_id", code="file_not_found")
+        # The same bytes for any id that is not the caller's: nothing tells "another tenant's" from "none".
+        raise NotFoundError("No such File object (or not yours).", param="file_id", code="file_not_found")
     return row
 
 
@@ -79,7 +80,7 @@ def get_batch(session: Session, tenant_id: uuid.UUID, public_id: str, *, for_upd
     q = select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
     row = None if batch_id is None else session.scalar(q.with_for_update() if for_update else q)
     if row is None:
-        raise NotFoundError(f"No such Batch object: {public_id[:80]}", param="batch_id", code="batch_not_found")
+        raise NotFoundError("No such Batch object (or not yours).", param="batch_id", code="batch_not_found")
     return row
 
 

@@ -213,3 +213,34 @@ def test_worker_killed_mid_batch_resumes_and_answers_every_line_once(stack, demo
     assert err == [] and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
     rows = ledger_rows(db, b.id)
     assert len(rows) == len({r.request_id for r in rows}) == 150
+
+
+def test_bad_files_are_refused_with_the_line_and_field_and_nothing_else_changes(stack, stack_env, demo_kit, tenant_key, db):
+    tenant, key = tenant_key
+    c = client(stack, key)
+    other = make_tenant(db)
+    theirs = ready_adapter(db, stack_env, demo_kit, other, "sort")  # exists, ready -- but another tenant's
+    good = chat_line("g1", demo_kit.model_name, "Hello")
+    cases = {
+        "malformed": (jsonl([good]) + b'{"custom_id": "x", "method": \n', "line 2", None),
+        "duplicate": (jsonl([good, good]), "line 2, custom_id", "custom_id"),
+        "wrong url": (jsonl([good, {**good, "custom_id": "u", "url": "/v1/embeddings"}]), "line 2, url", "url"),
+        "their adapter": (jsonl([good, chat_line("t", theirs.name, "Hello")]), "line 2, body.model", "body.model"),
+        "bad value": (jsonl([chat_line("v", demo_kit.model_name, "Hello", max_tokens=-1)]), "line 1, body.max_tokens",
+                      "body.max_tokens"),
+    }
+    for name, (data, where, param) in cases.items():
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.files.create(file=("bad.jsonl", io.BytesIO(data)), purpose="batch")
+        err = bad.value.body
+        assert where in err["message"] and err["code"] == "invalid_batch_line", (name, err)
+        assert err["param"].startswith(where.split(",")[0]) and (param is None or err["param"].endswith(param)), (name, err)
+    with pytest.raises(openai.APIStatusError) as big:
+        c.files.create(file=("big.jsonl", io.BytesIO(b"x" * (32 * 2**20 + 1))), purpose="batch")
+    assert big.value.status_code == 413 and big.value.body["code"] == "file_too_large"
+    with pytest.raises(openai.BadRequestError) as purpose:
+        c.files.create(file=("ok.jsonl", io.BytesIO(jsonl([good]))), purpose="fine-tune")
+    assert purpose.value.body["param"] == "purpose"
+    assert _files_of(db, tenant) == 0  # nothing was stored
+    live = c.chat.completions.create(**good["body"])  # and the tenant's live path is unaffected
+    assert live.choices[0].message.content

@@ -287,3 +287,108 @@ def test_uploads_land_in_the_callers_tenant_only(db_engine, browser, world, tmp_
     assert a_admin.get(f"/api/tenant/adapter-versions/{b_version}").status_code == 404
     assert b_version not in a_admin.get("/api/tenant/adapters").text
     assert browser(world.b.admin.email).get(f"/api/tenant/adapter-versions/{b_version}").status_code == 200
+
+
+# -- the Batch API (/v1/files, /v1/batches): API keys of the tenant, never another's ids -------------------------
+BATCH_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+@dataclass(frozen=True)
+class V1Endpoint:
+    method: str
+    path: str
+    target: str | None = None  # file | batch
+    body: dict | None = None
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+V1_ENDPOINTS = [
+    V1Endpoint("POST", "/v1/files"),
+    V1Endpoint("GET", "/v1/files/{id}", "file"),
+    V1Endpoint("GET", "/v1/files/{id}/content", "file"),
+    V1Endpoint("DELETE", "/v1/files/{id}", "file"),
+    V1Endpoint("POST", "/v1/batches", "file"),  # {id} travels in the body: input_file_id
+    V1Endpoint("GET", "/v1/batches"),
+    V1Endpoint("GET", "/v1/batches/{id}", "batch"),
+    V1Endpoint("POST", "/v1/batches/{id}/cancel", "batch"),
+]
+
+
+def _batch_line(model: str) -> bytes:
+    import json
+
+    return json.dumps({"custom_id": "bola", "method": "POST", "url": "/v1/completions",  # this model has no chat template
+                       "body": {"model": model, "prompt": "hi", "max_tokens": 2}}).encode()
+
+
+def _v1(gateway, ep: V1Endpoint, key: str | None, id_: str | None = None):
+    import httpx
+
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    url = gateway.url + (ep.path.replace("{id}", id_) if id_ and "{id}" in ep.path else ep.path)
+    if ep.path == "/v1/files" and ep.method == "POST":
+        files = {"file": ("b.jsonl", _batch_line(gateway.settings.base_model_name))}
+        return httpx.post(url, headers=headers, data={"purpose": "batch"}, files=files, timeout=30)
+    if ep.path == "/v1/batches" and ep.method == "POST":
+        body = {"input_file_id": id_ or "file-" + "0" * 32, "endpoint": "/v1/completions", "completion_window": "24h"}
+        return httpx.post(url, headers=headers, json=body, timeout=30)
+    return httpx.request(ep.method, url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def batch_ids(gateway, world):
+    """A file and a batch of each tenant, made through the API with its own key."""
+    out = {}
+    for label, tw in (("a", world.a), ("b", world.b)):
+        f = _v1(gateway, V1_ENDPOINTS[0], tw.key.secret)
+        assert f.status_code == 200, f.text
+        b = _v1(gateway, V1_ENDPOINTS[4], tw.key.secret, f.json()["id"])
+        assert b.status_code == 200, b.text
+        out[label] = {"file": f.json()["id"], "batch": b.json()["id"]}
+    return out
+
+
+def _b_state(gateway, world, ids) -> tuple:
+    key = world.b.key.secret
+    f = _v1(gateway, V1_ENDPOINTS[2], key, ids["b"]["file"])
+    b = _v1(gateway, V1_ENDPOINTS[6], key, ids["b"]["batch"]).json()
+    return f.status_code, f.content, b["status"], b["cancelling_at"]
+
+
+def test_every_batch_api_route_is_in_the_matrix(gateway):
+    served = {r for r in app_routes(gateway.app) if r[1].startswith(BATCH_PREFIXES)}
+    assert served == {(e.method, e.path) for e in V1_ENDPOINTS}
+
+
+@pytest.mark.parametrize("ep", V1_ENDPOINTS, ids=str)
+def test_batch_api_needs_a_key_with_the_inference_scope(gateway, world, db_engine, ep):
+    assert _v1(gateway, ep, None, "file-" + "0" * 32).status_code == 401
+    with Session(db_engine) as db:
+        from tests.factories import make_api_key
+
+        usage_only = make_api_key(db, tenant=db.get(Tenant, world.a.tenant.id), scopes=["usage:read"]).secret
+    r = _v1(gateway, ep, usage_only, "file-" + "0" * 32)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "missing_scope", r.text
+
+
+@pytest.mark.parametrize("ep", [e for e in V1_ENDPOINTS if e.target], ids=str)
+def test_batch_api_other_tenants_ids_are_404_like_missing_ones(gateway, world, batch_ids, ep):
+    before = _b_state(gateway, world, batch_ids)
+    key = world.a.key.secret
+    theirs = _v1(gateway, ep, key, batch_ids["b"][ep.target])
+    missing = _v1(gateway, ep, key, ("file-" if ep.target == "file" else "batch_") + uuid.uuid4().hex)
+    assert theirs.status_code == missing.status_code == 404, (theirs.text, missing.text)
+    assert theirs.content == missing.content
+    for marker in world.b.markers() + [batch_ids["b"]["file"], batch_ids["b"]["batch"]]:
+        assert marker not in theirs.text
+    assert _b_state(gateway, world, batch_ids) == before  # B's file and batch are untouched
+    own = _v1(gateway, ep, key, batch_ids["a"][ep.target])  # the same call on A's own id does act
+    assert own.status_code == 200, own.text
+
+
+def test_batch_listing_shows_only_the_callers_batches(gateway, world, batch_ids):
+    listed = _v1(gateway, V1Endpoint("GET", "/v1/batches"), world.a.key.secret).text
+    assert batch_ids["a"]["batch"] in listed and batch_ids["b"]["batch"] not in listed
+    assert batch_ids["b"]["file"] not in listed
