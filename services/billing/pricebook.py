@@ -192,7 +192,7 @@ class PriceBook:
 # -- writing the price book ---------------------------------------------------------------------------
 def set_list_price(
     session: Session, *, base_model: str, plan: str, effective_from: datetime, input: int, cached_input: int, output: int,
-    adapter_surcharge: int = 0, created_by: uuid.UUID | None = None,
+    adapter_surcharge: int = 0, created_by: uuid.UUID | None = None, batch_discount_bps: int = 5000,
 ) -> Price:
     """A new list price from `effective_from` on (rows are never edited: a change is a new row).
 
@@ -201,7 +201,8 @@ def set_list_price(
     _check_aware(effective_from)
     row = Price(base_model=base_model, plan=plan, effective_from=effective_from, input_per_mtok_micros=input,
                 cached_input_per_mtok_micros=cached_input, output_per_mtok_micros=output,
-                adapter_surcharge_per_mtok_micros=adapter_surcharge, created_by=created_by)
+                adapter_surcharge_per_mtok_micros=adapter_surcharge, created_by=created_by,
+                batch_discount_bps=batch_discount_bps)
     session.add(row)
     session.flush()
     return row

@@ -244,3 +244,13 @@ def test_bad_files_are_refused_with_the_line_and_field_and_nothing_else_changes(
     assert _files_of(db, tenant) == 0  # nothing was stored
     live = c.chat.completions.create(**good["body"])  # and the tenant's live path is unaffected
     assert live.choices[0].message.content
+
+
+def test_the_batch_quota_is_separate_from_the_live_windows(stack, demo_kit, db):
+    tenant = make_tenant(db, limits={"monthly_batch_token_budget": 0, "monthly_token_budget": None})
+    c = client(stack, make_api_key(db, tenant=tenant).secret)
+    f = upload(c, [chat_line("q", demo_kit.model_name, "Hello")])
+    with pytest.raises(openai.RateLimitError) as spent:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert spent.value.body["code"] == "batch_quota_exceeded"
+    assert c.chat.completions.create(**chat_line("q", demo_kit.model_name, "Hello")["body"]).choices  # live unaffected
