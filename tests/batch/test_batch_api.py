@@ -254,3 +254,35 @@ def test_the_batch_quota_is_separate_from_the_live_windows(stack, demo_kit, db):
         c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert spent.value.body["code"] == "batch_quota_exceeded"
     assert c.chat.completions.create(**chat_line("q", demo_kit.model_name, "Hello")["body"]).choices  # live unaffected
+
+
+def test_cli_submit_status_download_cancel(stack, demo_kit, tenant_key, tmp_path):
+    """`mplex batch ...` as a tenant runs it: a subprocess with the key in the environment."""
+    import os
+    import subprocess
+    import sys
+
+    _, key = tenant_key
+    env = {**os.environ, **stack.env, "MPLEX_BASE_URL": f"{stack.gw.url}/v1", "MPLEX_API_KEY": key}
+
+    def mplex(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.cli", "batch", *args], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl([chat_line(f"cli{i}", demo_kit.model_name, f"Hello {i}") for i in range(3)]))
+    r = mplex("submit", str(src), "--wait")
+    assert r.returncode == 0, r.stderr
+    batch_id = r.stdout.split()[0]
+    assert batch_id.startswith("batch_") and "completed" in r.stderr.splitlines()[-1]
+    r = mplex("status", batch_id, "--json")
+    assert json.loads(r.stdout)["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    out = tmp_path / "out.jsonl"
+    assert mplex("download", batch_id, "-o", str(out)).returncode == 0
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == ["cli0", "cli1", "cli2"]
+    r = mplex("cancel", batch_id)
+    assert r.returncode == 1 and "only a running batch can be cancelled" in r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"custom_id": "x"}\n')
+    r = mplex("submit", str(bad))
+    assert r.returncode == 1 and "line 1" in r.stderr
