@@ -30,6 +30,7 @@ from services.gateway.api import (
     openai,
     playground,
     tenant,
+    tenant_batches,
     tenant_usage,
 )
 from services.gateway.security import install_security_headers
@@ -81,7 +82,7 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
                        streaming_paths=UPLOAD_PATHS)
     install_security_headers(app, hsts=settings.session_cookie_secure)
     app.include_router(_probes)
-    for module in (openai, batches, auth, tenant, tenant_usage, playground, admin, admin_engines, finance, adapters):
+    for module in (openai, batches, auth, tenant, tenant_batches, tenant_usage, playground, admin, admin_engines, finance, adapters):
         app.include_router(module.router)
     if web_dist is not None:
         mount_web(app, web_dist)

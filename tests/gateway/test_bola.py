@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 from sqlalchemy.orm import Session
 
-from services.common.models import Adapter, AdapterVersion, ApiKey, Tenant, TenantLimits
+from services.common.models import Adapter, AdapterVersion, ApiKey, Batch, BatchFile, Tenant, TenantLimits
 from tests.gateway.mgmt_harness import (  # noqa: F401 (fixtures)
     audit_count,
     browser,
@@ -65,6 +65,10 @@ ENDPOINTS = [
     Endpoint("GET", "/api/tenant/usage/keys", TENANT),
     Endpoint("GET", "/api/tenant/requests/{id}", TENANT, target="request"),
     Endpoint("POST", "/api/tenant/playground/key", TENANT),
+    # the web app's batches page (api/tenant_batches.py)
+    Endpoint("GET", "/api/tenant/batches", TENANT),
+    Endpoint("POST", "/api/tenant/batches/{id}/cancel", TENANT, target="batch"),
+    Endpoint("GET", "/api/tenant/batch-files/{id}/content", TENANT, target="batch_file"),
     # platform admin (api/admin.py): any tenant's ids, platform_admin only
     Endpoint("GET", "/api/admin/tenants", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
@@ -122,8 +126,10 @@ def _assert_served(gateway, ep: Endpoint) -> None:
 
 
 def _ids(tw) -> dict[str, str]:
+    from services.common.batch_contract import batch_public_id, file_public_id
+
     return {"key": str(tw.key.row.id), "version": str(tw.v1.id), "adapter": str(tw.adapter.id), "tenant": str(tw.tenant.id),
-            "request": tw.event.request_id}
+            "request": tw.event.request_id, "batch": batch_public_id(tw.batch.id), "batch_file": file_public_id(tw.batch_file.id)}
 
 
 def _call(api, ep: Endpoint, id_: str | None = None):
@@ -137,7 +143,9 @@ def _state(db_engine, tw) -> dict:
         t = s.get(Tenant, tw.tenant.id)
         lim = s.get(TenantLimits, tw.tenant.id)
         a = s.get(Adapter, tw.adapter.id)
+        b = s.get(Batch, tw.batch.id)
         return {
+            "batch": (str(b.status), b.cancelling_at, s.get(BatchFile, tw.batch_file.id).deleted_at),
             "tenant": (t.name, t.plan, str(t.status)),
             "limits": (lim.tokens_per_min, lim.requests_per_min, lim.concurrent_requests, lim.monthly_token_budget,
                        lim.storage_quota_bytes),
@@ -201,6 +209,7 @@ def test_roles(gateway, browser, world, ep, role, untouched):
         assert marker not in r.text
 
 
+NOT_UUIDS = {"request", "batch", "batch_file"}
 TENANT_ID_ENDPOINTS = [e for e in ENDPOINTS if e.tenant_scoped and e.target is not None]
 
 
@@ -219,10 +228,11 @@ def test_other_tenants_ids_are_404_like_missing_ones(gateway, browser, world, ep
     assert {k.lower() for k in theirs.headers} == {k.lower() for k in missing.headers}
     for marker in world.b.markers():
         assert marker not in theirs.text
-    # An id of the caller's own, of the wrong kind, is no way round either. (A request id is not a UUID: routes
-    # whose id is a UUID refuse it as malformed, 400, before any lookup; it is tried on the request route only.)
+    # An id of the caller's own, of the wrong kind, is no way round either. (Request, batch and batch-file ids are
+    # not UUIDs: routes whose id is a UUID refuse them as malformed, 400, before any lookup; they are tried on the
+    # routes whose ids are strings only.)
     for kind, own in _ids(world.a).items():
-        if kind != ep.target and kind != "request":
+        if kind != ep.target and (kind in NOT_UUIDS) == (ep.target in NOT_UUIDS):
             r = _call(api, ep, own)
             assert r.status_code == 404 and r.content == missing.content, (kind, r.text)
 

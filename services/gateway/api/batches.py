@@ -45,7 +45,7 @@ async def _key(request: Request, gw):
     return principal
 
 
-def _store(gw) -> ObjectStore:
+def store_of(gw) -> ObjectStore:
     return ObjectStore.from_settings(gw.settings)
 
 
@@ -66,7 +66,7 @@ async def upload_file(request: Request, gw: GatewayDep):
 
     def store() -> dict:
         with gw.session_factory() as s:
-            row = records.put_file(_store(gw), s, tenant_id=principal.tenant_id, data=data, filename=filename,
+            row = records.put_file(store_of(gw), s, tenant_id=principal.tenant_id, data=data, filename=filename,
                                    purpose=FILE_PURPOSE, line_count=len(checked.lines))
             s.commit()
             return records.file_object(row)
@@ -160,7 +160,7 @@ async def file_content(file_id: str, request: Request, gw: GatewayDep):
 
     def get() -> bytes:
         with gw.session_factory() as s:
-            return records.read_file(_store(gw), records.get_file(s, principal.tenant_id, file_id))
+            return records.read_file(store_of(gw), records.get_file(s, principal.tenant_id, file_id))
 
     return Response(await asyncio.to_thread(get), media_type="application/jsonl")
 
@@ -172,7 +172,7 @@ async def delete_file(file_id: str, request: Request, gw: GatewayDep):
     def delete() -> dict:
         with gw.session_factory() as s:
             row = records.get_file(s, principal.tenant_id, file_id)
-            records.delete_file(_store(gw), s, row)
+            records.delete_file(store_of(gw), s, row)
             return {"id": file_id, "object": "file", "deleted": True}
 
     return await asyncio.to_thread(delete)
@@ -207,7 +207,7 @@ async def create_batch(body: BatchCreate, request: Request, gw: GatewayDep):
 
 
 def _create(gw, principal, body: BatchCreate) -> dict:
-    store = _store(gw)
+    store = store_of(gw)
     with gw.session_factory() as s:
         left = records.batch_tokens_left(s, principal.tenant_id)
         if left is not None and left <= 0:
