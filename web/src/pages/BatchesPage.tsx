@@ -89,8 +89,10 @@ function BatchRow({ batch: b, onCancelled }: { batch: BatchJob; onCancelled: () 
         <Badge text={b.status} testid="batch-status" />
       </td>
       <td>
-        <progress max={c.total || 1} value={done} aria-label={`${b.id} progress`} data-testid="batch-progress" />
-        <span class="muted small"> {formatPercent(fraction, 0)}</span>
+        <span class="batch-progress">
+          <progress max={c.total || 1} value={done} aria-label={`${b.id} progress`} data-testid="batch-progress" />
+          <span class="muted small">{formatPercent(fraction, 0)}</span>
+        </span>
       </td>
       <td data-testid="batch-completed">{formatInt(c.completed)} / {formatInt(c.total)}</td>
       <td data-testid="batch-failed">{formatInt(c.failed)}</td>
