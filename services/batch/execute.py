@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
 from services.batch.checkpoint import PendingLine
 from services.common.batch_contract import ENDPOINTS, SERVICE_TIER, LineState, line_request_id
@@ -67,6 +68,12 @@ async def answer_line(gw, principal: BatchPrincipal, batch_id: uuid.UUID, line: 
         return _refused(gw, principal, rid, line, accepted_at, err.status, err.body())
     except ApiError as exc:  # the model does not resolve for this tenant (any more)
         return _refused(gw, principal, rid, line, accepted_at, exc.status, exc.body())
+    except SQLAlchemyError:
+        raise  # the database, not the line: the run stops and its task retries
+    except Exception as exc:  # a line that breaks the planner fails alone; it must not stop the batch
+        body = error_body(f"This request could not be planned ({exc.__class__.__name__}).", "server_error", None,
+                          "request_failed")
+        return _refused(gw, principal, rid, line, accepted_at, 500, body)
     call = Call(gw, principal, resolved, plan, None, rid, None, accepted_at, t0, [StreamResult() for _ in plan.jobs],
                 service_tier=SERVICE_TIER)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
