@@ -18,7 +18,6 @@ from services.common.batch_contract import (
     COMPLETION_WINDOWS,
     FILE_PREFIX,
     MAX_FILE_BYTES,
-    SERVICE_TIER,
     BatchStatus,
     LineState,
     batch_public_id,
@@ -26,7 +25,8 @@ from services.common.batch_contract import (
     parse_public_id,
 )
 from services.common.errors import NotFoundError
-from services.common.models import Batch, BatchFile, BatchLine, TenantLimits, UsageEvent
+from services.billing.usage import batch_usage, month_bounds
+from services.common.models import Batch, BatchFile, BatchLine, TenantLimits
 from services.gateway.batch_input import split_lines
 
 
@@ -150,9 +150,6 @@ def batch_tokens_left(session: Session, tenant_id: uuid.UUID, now: datetime | No
     budget = session.scalar(select(TenantLimits.monthly_batch_token_budget).where(TenantLimits.tenant_id == tenant_id))
     if budget is None:
         return None
-    now = now or datetime.now(timezone.utc)
-    month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    used = session.scalar(select(func.coalesce(func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens), 0))
-                          .where(UsageEvent.tenant_id == tenant_id, UsageEvent.service_tier == SERVICE_TIER,
-                                 UsageEvent.created_at >= month))
-    return max(0, budget - int(used))
+    start, end = month_bounds(now or datetime.now(timezone.utc))
+    used = batch_usage(session, tenant_id=tenant_id, start=start, end=end)
+    return max(0, budget - used["prompt_tokens"] - used["completion_tokens"])

@@ -49,3 +49,23 @@ def test_the_batch_rate_is_per_price_row_and_compounds_with_a_contract(db, confi
     assert price_usage(book, plan, rec).billed_micros == 280
     live = make_usage_event(db, tenant=tenant, prompt_tokens=1000, completion_tokens=500, created_at=AT)
     assert price_usage(book, plan, live).billed_micros == 400
+
+
+def test_usage_shows_batch_lines_apart_for_the_tenant_and_period_only(db, config):
+    from datetime import timedelta
+
+    from services.billing.usage import batch_usage, tenant_usage
+
+    plan = unique("plan")
+    make_price(db, plan=plan)
+    tenant, other = make_tenant(db, plan=plan), make_tenant(db, plan=plan)
+    make_usage_event(db, tenant=tenant, prompt_tokens=10, completion_tokens=5, created_at=AT, service_tier="batch")
+    make_usage_event(db, tenant=tenant, prompt_tokens=7, completion_tokens=3, created_at=AT, service_tier="batch")
+    make_usage_event(db, tenant=tenant, prompt_tokens=100, completion_tokens=50, created_at=AT)  # live
+    make_usage_event(db, tenant=tenant, prompt_tokens=1, completion_tokens=1, created_at=AT + timedelta(days=40),
+                     service_tier="batch")  # another period
+    make_usage_event(db, tenant=other, prompt_tokens=9, completion_tokens=9, created_at=AT, service_tier="batch")
+    out = tenant_usage(db, config, tenant_id=tenant.id, day_from=D, day_to=D, group_by=("day",))
+    assert out["batch"] == {"requests": 2, "prompt_tokens": 17, "completion_tokens": 8}
+    assert out["totals"]["requests"] == 3  # the batch lines are in the totals too, billed at the batch rate
+    assert batch_usage(db, tenant_id=other.id, start=AT - timedelta(hours=1), end=AT + timedelta(hours=1))["requests"] == 1
