@@ -48,3 +48,6 @@ def test_tenant_follows_cancels_and_downloads_batches(page, web_stack):
         big_row.get_by_test_id("batch-errors-link").click()
     skipped = [json.loads(x) for x in open(dl.value.path()).read().splitlines()]
     assert len(skipped) == 300 - done and all(x["error"]["code"] == "batch_cancelled" for x in skipped)
+    # The usage page counts the batch lines apart (every line that ran: the small batch's and those answered before the cancel).
+    tid(page, "nav-usage").click()
+    expect(tid(page, "usage-total-batch")).to_contain_text(f"{3 + done} requests")

@@ -68,6 +68,8 @@ export type UsageGroupBy = "day" | "adapter" | "model";
 export interface UsageReport {
   rows: UsageRow[];
   totals: UsageFields;
+  /** Batch API lines of the period (also in rows and totals, billed at the batch rate). */
+  batch?: { requests: number; prompt_tokens: number; completion_tokens: number };
 }
 
 export interface Meter {
