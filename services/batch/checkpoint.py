@@ -85,7 +85,7 @@ def pending(session_factory: sessionmaker[Session], batch_id: uuid.UUID, *, afte
                          .where(BatchLine.batch_id == batch_id, BatchLine.state == LineState.PENDING,
                                 BatchLine.line_no > after)
                          .order_by(BatchLine.line_no).limit(limit)).all()
-    return [PendingLine(*r) for r in rows]
+    return [PendingLine(n, custom_id, url, orjson.loads(body)) for n, custom_id, url, body in rows]
 
 
 def record(session_factory: sessionmaker[Session], batch_id: uuid.UUID, line: PendingLine, *, state: LineState,
@@ -93,7 +93,7 @@ def record(session_factory: sessionmaker[Session], batch_id: uuid.UUID, line: Pe
     """Answer one line: its result, its ledger row and the counters, together. False (and nothing written)
     when it was answered already."""
     assert state in (LineState.DONE, LineState.FAILED)
-    result = output_line(batch_id, line.line_no, line.custom_id, status_code, body)
+    result = orjson.dumps(output_line(batch_id, line.line_no, line.custom_id, status_code, body)).decode()
     with session_factory() as s, s.begin():
         moved = s.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line_no == line.line_no,
                                                   BatchLine.state == LineState.PENDING)
@@ -132,7 +132,8 @@ def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_i
                     BatchLine.batch_id == batch_id, BatchLine.state == LineState.PENDING)).all():
                 s.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line_no == line_no).values(
                     state=LineState.SKIPPED, answered_at=now,
-                    result=output_line(batch_id, line_no, custom_id, 0, None, {"code": code, "message": message})))
+                    result=orjson.dumps(output_line(batch_id, line_no, custom_id, 0, None,
+                                                    {"code": code, "message": message})).decode()))
         else:
             assert unanswered is None, "a batch completes only when every line is answered"
         b.finalizing_at = b.finalizing_at or now
@@ -163,7 +164,7 @@ def _write_file(s: Session, store: ObjectStore, b: Batch, states: tuple[LineStat
             q = (select(BatchLine.result).where(BatchLine.batch_id == b.id, BatchLine.state.in_(states))
                  .order_by(BatchLine.line_no).execution_options(yield_per=1000))
             for result in s.scalars(q):
-                out.write(orjson.dumps(result) + b"\n")
+                out.write(result.encode() + b"\n")
                 n += 1
         if not n:
             return None

@@ -9,6 +9,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import orjson
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
@@ -94,7 +95,8 @@ def create_batch(session: Session, *, tenant_id: uuid.UUID, api_key_id: uuid.UUI
                   total=len(lines), created_at=now, expires_at=now + timedelta(seconds=COMPLETION_WINDOWS[completion_window]))
     session.add(batch)
     session.flush()
-    rows = [{"batch_id": batch.id, "line_no": n, "custom_id": line.custom_id, "url": line.url, "body": line.body,
+    rows = [{"batch_id": batch.id, "line_no": n, "custom_id": line.custom_id, "url": line.url,
+             "body": orjson.dumps(line.body).decode(),
              "state": LineState.PENDING} for n, line in enumerate(lines, start=1)]
     for i in range(0, len(rows), 2000):
         session.execute(insert(BatchLine), rows[i:i + 2000])

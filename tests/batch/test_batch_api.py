@@ -117,7 +117,7 @@ def test_lines_that_fail_at_run_time_go_to_the_error_file(stack, stack_env, demo
     adapter = ready_adapter(db, stack_env, demo_kit, tenant, "reverse")
     c = client(stack, key)
     lines = [chat_line("ok-1", demo_kit.model_name, "Hello"), chat_line("gone-1", adapter.name, "Hello"),
-             chat_line("ok-2", demo_kit.model_name, "Hi there")]
+             chat_line("ok-2", demo_kit.model_name, "Hi\u0000 there")]  # U+0000 is valid JSON text (not JSONB)
     f = upload(c, lines)
     # The adapter is deleted between upload and run: its line fails on its own; the others are unaffected.
     db.execute(update(Adapter).where(Adapter.id == adapter.id).values(deleted_at=func.now()))

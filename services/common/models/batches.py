@@ -90,7 +90,9 @@ class BatchLine(Base):
     line_no: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1-based, as in the file
     custom_id: Mapped[str]
     url: Mapped[str]
-    body: Mapped[dict[str, Any]]
+    # JSON text, not JSONB: a request or an answer may hold U+0000 (a prompt with it, a model that generates
+    # byte 0), which JSON allows and JSONB refuses.
+    body: Mapped[str]
     state: Mapped[LineState] = mapped_column(str_enum(LineState, "batch_line_state"))
-    result: Mapped[dict[str, Any] | None]  # the output / error file line
+    result: Mapped[str | None]  # the output / error file line
     answered_at: Mapped[datetime | None]

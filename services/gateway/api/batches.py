@@ -196,8 +196,9 @@ async def create_batch(body: BatchCreate, request: Request, gw: GatewayDep):
     if body.completion_window not in COMPLETION_WINDOWS:
         raise InvalidRequestError(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}",
                                   param="completion_window", code="invalid_value")
-    if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
-        raise InvalidRequestError("metadata keys are at most 64 characters, values 512", param="metadata", code="invalid_value")
+    if body.metadata and any(len(k) > 64 or len(v) > 512 or "\x00" in k + v for k, v in body.metadata.items()):
+        raise InvalidRequestError("metadata keys are at most 64 characters and values 512, without U+0000",
+                                  param="metadata", code="invalid_value")
     created = await asyncio.to_thread(_create, gw, principal, body)
     try:
         await asyncio.to_thread(_enqueue, created["id"])
