@@ -5,7 +5,6 @@ live API would have accepted. Errors are numbered by line and name the field (`b
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -90,8 +89,9 @@ def _from_validation(n: int, exc: ValidationError, prefix: str) -> LineError:
 Resolve = Callable[[str], Awaitable[ResolvedModel]]
 
 
-async def check_file(data: bytes, resolve: Resolve, builders: dict, *, tenant_id: uuid.UUID) -> CheckedFile:
-    """Every line checked; `resolve(model)` is the gateway's resolver for the caller's tenant."""
+async def check_file(data: bytes, resolve: Resolve, builders: dict) -> CheckedFile:
+    """Every line checked; `resolve(model)` is the gateway's resolver bound to the caller's tenant (so another
+    tenant's adapter reads as a model that does not exist)."""
     checked = await asyncio.to_thread(split_lines, data)
     if not checked.lines:
         return checked

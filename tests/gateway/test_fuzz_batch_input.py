@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 import pytest
 from hypothesis import given
@@ -40,7 +39,7 @@ def check(data: bytes, base, builders):
             raise ModelNotFoundError(name)
         return ResolvedModel(name, base, None)
 
-    return asyncio.run(check_file(data, resolve, builders, tenant_id=uuid.uuid4()))
+    return asyncio.run(check_file(data, resolve, builders))
 
 
 @given(data=st.binary(max_size=2000))

@@ -59,8 +59,7 @@ async def upload_file(request: Request, gw: GatewayDep):
                                   code="invalid_purpose")
     if data is None:
         raise InvalidRequestError("send the JSONL as the form part 'file'", param="file", code="missing_file")
-    checked = await check_file(data, lambda m: gw.resolver.resolve(principal.tenant_id, m), gw.resolver.builders,
-                               tenant_id=principal.tenant_id)
+    checked = await check_file(data, lambda m: gw.resolver.resolve(principal.tenant_id, m), gw.resolver.builders)
     if checked.errors:
         raise _invalid_lines(checked.errors)
 
