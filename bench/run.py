@@ -5,7 +5,8 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["engine", "multi_lora", "fp8", "kv_fp8", "kv_swap", "gateway", "billing", "adapters", "isolation", "fairness", "structured"]
+BENCHMARKS = ["engine", "multi_lora", "fp8", "kv_fp8", "kv_swap", "gateway", "billing", "adapters", "isolation", "fairness",
+              "structured", "batch"]
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ _GROUPS = {
     "admin": "services.gateway.admin_cli",
     "billing": "services.billing.cli",
     "adapters": "services.adapters.cli",
+    "batch": "services.batch.cli",
     "worker": "services.common.worker_cli",
     "beat": "services.common.worker_cli:beat_app",
 }

@@ -190,7 +190,7 @@ def run_up(home: Path) -> None:
                 engines.append(f"http://127.0.0.1:{port}")
             print(">> starting the Celery worker and beat", flush=True)
             worker_port = free_port()
-            sup.start(Proc("worker", mplex_argv("worker", "--queues", "adapters.ingest,adapters.eval,billing",
+            sup.start(Proc("worker", mplex_argv("worker", "--queues", "adapters.ingest,adapters.eval,billing,batches",
                                                 "--metrics-port", str(worker_port)),
                            ready_url=f"http://127.0.0.1:{worker_port}/ready", env=env))
             sup.start(Proc("beat", mplex_argv("beat"), env=env))

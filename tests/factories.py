@@ -191,6 +191,7 @@ def make_usage_event(
     created_at: datetime | None = None,
     request_id: str | None = None,
     compute_us: int = 0,
+    service_tier: str = "default",
 ) -> UsageEvent:
     row = UsageEvent(
         request_id=request_id or new_request_id(),
@@ -206,6 +207,7 @@ def make_usage_event(
         http_status=200 if status == UsageStatus.OK else 499 if status == UsageStatus.CANCELLED else 500,
         created_at=created_at or datetime.now(timezone.utc),
         compute_us=compute_us,
+        service_tier=service_tier,
     )
     db.add(row)
     db.commit()

@@ -6,6 +6,8 @@ Layout under the root:
     adapters/<files_sha256>/adapter_model.safetensors  bytes (`files_sha256`)
     uploads/<sha256>.<kind>                          an upload that could not be unpacked (kept for its rejection)
     evalsets/<sha256>.jsonl                          tenants' eval sets
+    batches/<sha256>.jsonl                           Batch API files: inputs, outputs, error files (services.batch;
+                                                     the batch_files rows own them, not the adapter retention)
 
 Objects are immutable: a key is written once (to a temporary name, then renamed where the filesystem can)
 and never overwritten with different bytes. Engines read a version's prefix directly (local paths) or copy
@@ -124,7 +126,7 @@ class ObjectStore:
 
     def plan_blob(self, path: Path, kind: str, suffix: str = "") -> StoredObject:
         """Where `put_blob` would store this file (nothing is written)."""
-        if kind not in ("uploads", "evalsets"):
+        if kind not in ("uploads", "evalsets", "batches"):
             raise ValueError(f"unknown blob kind {kind!r}")
         sha = file_sha256(path)
         return StoredObject(sha, self.uri(f"{kind}/{sha}{suffix}"), Path(path).stat().st_size)

@@ -36,6 +36,7 @@ class ListPrice:
     cached_input: int
     output: int
     adapter_surcharge: int
+    batch_discount_bps: int = 5000  # the Batch API's rate: this share off batch lines' amount
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,10 @@ class Segment:
     value: object
 
 
-def unit_prices(lp: ListPrice | None, contract: Contract | None) -> UnitPrices | None:
-    """List price overlaid with a contract; None when some price is unknown (no list row, no explicit price)."""
+def unit_prices(lp: ListPrice | None, contract: Contract | None, *, batch: bool = False) -> UnitPrices | None:
+    """List price overlaid with a contract; None when some price is unknown (no list row, no explicit price).
+    `batch`: a Batch API line, billed at the list row's batch rate on top of any contract discount (the two
+    discounts compound; the kept share is rounded down to a whole basis point, in the tenant's favour)."""
     cols = ("input", "cached_input", "output", "adapter_surcharge")
     values = {}
     for c in cols:
@@ -77,7 +80,10 @@ def unit_prices(lp: ListPrice | None, contract: Contract | None) -> UnitPrices |
             return None
         values[c] = v
     discount = contract.discount_bps if contract is not None and contract.discount_bps is not None else 0
-    return UnitPrices(**values, keep_bps=BPS - discount)
+    keep = BPS - discount
+    if batch:
+        keep = keep * (BPS - (lp.batch_discount_bps if lp is not None else 0)) // BPS
+    return UnitPrices(**values, keep_bps=keep)
 
 
 class PriceBook:
@@ -102,7 +108,7 @@ class PriceBook:
     def load(cls, session: Session) -> PriceBook:
         lps = [
             ListPrice(p.base_model, p.plan, p.effective_from, p.input_per_mtok_micros, p.cached_input_per_mtok_micros,
-                      p.output_per_mtok_micros, p.adapter_surcharge_per_mtok_micros)
+                      p.output_per_mtok_micros, p.adapter_surcharge_per_mtok_micros, p.batch_discount_bps)
             for p in session.scalars(select(Price))
         ]
         contracts = [
@@ -127,8 +133,9 @@ class PriceBook:
             return None
         return max(active, key=lambda c: (c.base_model is not None, c.effective_from))
 
-    def unit_prices_at(self, tenant_id: uuid.UUID, plan: str, base_model: str, at: datetime) -> UnitPrices | None:
-        return unit_prices(self.list_price_at(base_model, plan, at), self.contract_at(tenant_id, base_model, at))
+    def unit_prices_at(self, tenant_id: uuid.UUID, plan: str, base_model: str, at: datetime, *,
+                       batch: bool = False) -> UnitPrices | None:
+        return unit_prices(self.list_price_at(base_model, plan, at), self.contract_at(tenant_id, base_model, at), batch=batch)
 
     def engine_price_at(self, engine_type: str, at: datetime) -> int | None:
         rows = self._engine.get(engine_type)
@@ -185,7 +192,7 @@ class PriceBook:
 # -- writing the price book ---------------------------------------------------------------------------
 def set_list_price(
     session: Session, *, base_model: str, plan: str, effective_from: datetime, input: int, cached_input: int, output: int,
-    adapter_surcharge: int = 0, created_by: uuid.UUID | None = None,
+    adapter_surcharge: int = 0, created_by: uuid.UUID | None = None, batch_discount_bps: int = 5000,
 ) -> Price:
     """A new list price from `effective_from` on (rows are never edited: a change is a new row).
 
@@ -194,7 +201,8 @@ def set_list_price(
     _check_aware(effective_from)
     row = Price(base_model=base_model, plan=plan, effective_from=effective_from, input_per_mtok_micros=input,
                 cached_input_per_mtok_micros=cached_input, output_per_mtok_micros=output,
-                adapter_surcharge_per_mtok_micros=adapter_surcharge, created_by=created_by)
+                adapter_surcharge_per_mtok_micros=adapter_surcharge, created_by=created_by,
+                batch_discount_bps=batch_discount_bps)
     session.add(row)
     session.flush()
     return row

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.billing.money import ExactAmounts, RoundedAmounts
 from services.billing.pricebook import PriceBook
+from services.common.batch_contract import SERVICE_TIER
 from services.common.models import Tenant
 
 log = logging.getLogger("mplex.billing.pricing")
@@ -33,11 +34,13 @@ class UsageLike(Protocol):
     completion_tokens: int
     created_at: datetime
     compute_us: int
+    # and, where present, `service_tier` ("batch": priced at the batch rate; absent: a live request)
 
 
 def price_usage(book: PriceBook, plan: str, rec: UsageLike, engine_type: str | None = None) -> RoundedAmounts | None:
     """Amounts for one request at the prices effective at its `created_at`; None if it has no price."""
-    prices = book.unit_prices_at(rec.tenant_id, plan, rec.base_model, rec.created_at)
+    prices = book.unit_prices_at(rec.tenant_id, plan, rec.base_model, rec.created_at,
+                                 batch=getattr(rec, "service_tier", "default") == SERVICE_TIER)
     if prices is None:
         return None
     exact = ExactAmounts()

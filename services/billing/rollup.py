@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from services.billing.config import BillingConfig
 from services.billing.money import ExactAmounts
 from services.billing.pricebook import ALL_MODELS, FAR_PAST, PriceBook, unit_prices
+from services.common.batch_contract import SERVICE_TIER
 
 log = logging.getLogger("mplex.billing.rollup")
 
@@ -93,7 +94,7 @@ WITH lp AS (SELECT * FROM unnest(CAST(:lp_id AS int[]), CAST(:lp_plan AS text[])
             FROM (SELECT DISTINCT engine_id FROM usage_events
                   WHERE created_at >= :lo AND created_at < :hi AND engine_id IS NOT NULL) AS ids)
 SELECT (e.created_at AT TIME ZONE 'UTC')::date AS day, e.tenant_id, e.model, e.adapter_version_id, e.base_model,
-       lp.id AS lp_id, os.id AS os_id, oa.id AS oa_id, es.id AS es_id,
+       lp.id AS lp_id, os.id AS os_id, oa.id AS oa_id, es.id AS es_id, e.service_tier = :batch_tier AS batch,
        count(*) AS requests, sum(e.prompt_tokens)::bigint AS prompt_tokens, sum(e.cached_tokens)::bigint AS cached_tokens,
        sum(e.completion_tokens)::bigint AS completion_tokens, sum(e.compute_us)::bigint AS compute_us
 FROM usage_events e
@@ -104,7 +105,7 @@ LEFT JOIN ov oa ON oa.tenant_id = e.tenant_id AND oa.base_model = '' AND e.creat
 LEFT JOIN em ON em.engine_id = e.engine_id
 LEFT JOIN es ON es.engine_type = coalesce(em.engine_type, :default_engine_type) AND e.created_at >= es.t0 AND e.created_at < es.t1
 WHERE e.created_at >= :lo AND e.created_at < :hi {tenant_filter}
-GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9
+GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 """
 
 
@@ -137,7 +138,7 @@ def compute_daily(
         "es_t0": [s.start for s in engines], "es_t1": [s.end for s in engines],
         # An engine's type is the one in its latest usage report before the period ends; engines that
         # never reported (no sampler running) are costed as the configured default type.
-        "default_engine_type": config.default_engine_type, "lo": lo, "hi": hi,
+        "default_engine_type": config.default_engine_type, "lo": lo, "hi": hi, "batch_tier": SERVICE_TIER,
     }
     tenant_filter = ""
     if tenant_ids is not None:
@@ -161,7 +162,7 @@ def compute_daily(
         a.completion_tokens += r.completion_tokens
         a.compute_us += r.compute_us
         contract = ov_by_id.get(r.os_id) or ov_by_id.get(r.oa_id)  # a model-specific contract beats an all-models one
-        prices = unit_prices(lp_by_id.get(r.lp_id), contract)
+        prices = unit_prices(lp_by_id.get(r.lp_id), contract, batch=r.batch)  # batch lines: the batch rate
         if prices is None:
             a.unpriced_requests += r.requests
         else:

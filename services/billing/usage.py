@@ -6,14 +6,15 @@ import uuid
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta, timezone
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from services.billing.config import BillingConfig
 from services.billing.money import prorate
 from services.billing.rollup import DailyRow, current_daily_rows
 from services.billing.statements import adapter_labels, month_end
-from services.common.models import TenantLimits
+from services.common.batch_contract import SERVICE_TIER
+from services.common.models import TenantLimits, UsageEvent
 
 GROUPS = ("day", "model", "adapter")
 USAGE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "billed_microusd")
@@ -76,8 +77,10 @@ def tenant_usage(session: Session, config: BillingConfig, *, tenant_id: uuid.UUI
         {**dict(zip(group_by, key)), **dict(zip(USAGE_FIELDS, values))}
         for key, values in sorted(buckets.items(), key=lambda kv: tuple((v is not None, v or "") for v in kv[0]))
     ]
+    start, end = (datetime.combine(d, time.min, timezone.utc) for d in (day_from, day_to + timedelta(days=1)))
     return {"from": day_from.isoformat(), "to": day_to.isoformat(), "group_by": list(group_by), "rows": out_rows,
-            "totals": dict(zip(USAGE_FIELDS, totals))}
+            "totals": dict(zip(USAGE_FIELDS, totals)),
+            "batch": batch_usage(session, tenant_id=tenant_id, start=start, end=end)}
 
 
 def _group_value(r: DailyRow, group: str, labels: dict[uuid.UUID, tuple[str, int]]) -> str | None:
@@ -124,3 +127,20 @@ def tenant_spend(session: Session, config: BillingConfig, *, tenant_id: uuid.UUI
     }
     return PeriodSpend(first, last, billed, projected, sum(r.prompt_tokens + r.completion_tokens for r in rows),
                        limits["monthly_tokens"], limits)
+
+
+def batch_usage(session: Session, *, tenant_id: uuid.UUID, start: datetime, end: datetime) -> dict[str, int]:
+    """The tenant's Batch API lines in [start, end) from the ledger: what the batch quota counts and the usage
+    page shows apart (their money is in the daily rows, at the batch rate)."""
+    requests, prompt, completion = session.execute(
+        select(func.count(), func.coalesce(func.sum(UsageEvent.prompt_tokens), 0),
+               func.coalesce(func.sum(UsageEvent.completion_tokens), 0))
+        .where(UsageEvent.tenant_id == tenant_id, UsageEvent.service_tier == SERVICE_TIER,
+               UsageEvent.created_at >= start, UsageEvent.created_at < end)).one()
+    return {"requests": int(requests), "prompt_tokens": int(prompt), "completion_tokens": int(completion)}
+
+
+def month_bounds(now: datetime) -> tuple[datetime, datetime]:
+    first = now.date().replace(day=1)
+    return (datetime.combine(first, time.min, timezone.utc),
+            datetime.combine(month_end(first) + timedelta(days=1), time.min, timezone.utc))

@@ -7,7 +7,7 @@ the Redis next to the platform's (embedded in dev: `services.common.embedded.res
 Task defaults: acknowledged after they finish (`acks_late`) and requeued if their worker process dies, one
 message prefetched per process, JSON only, bounded retries with exponential backoff on transient
 infrastructure errors. Tasks must therefore be idempotent — they are thin wrappers over plain functions.
-Task names say their queue: `billing.*`, `adapters.ingest.*`, `adapters.eval.*`.
+Task names say their queue: `billing.*`, `adapters.ingest.*`, `adapters.eval.*`, `batches.*` (the Batch API).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from typing import Any
 from celery import Celery, Task
 from kombu import Queue
 
-QUEUES = ("adapters.ingest", "adapters.eval", "billing")
+QUEUES = ("adapters.ingest", "adapters.eval", "billing", "batches")
 # Each task module declares its periodic tasks in PERIODIC ({task name: seconds}); the worker imports them
 # by name, as Celery's `include` does, so this lower layer imports no service.
-TASK_MODULES = ("services.billing.tasks", "services.adapters.tasks")
+TASK_MODULES = ("services.billing.tasks", "services.adapters.tasks", "services.batch.tasks")
 # With acks_late on Redis, an unacknowledged message is redelivered after this long if its worker vanished
 # without requeueing it (a killed host); longer than the slowest task (an adapter's quality-gate eval).
 VISIBILITY_TIMEOUT_S = 3 * 3600
@@ -84,6 +84,7 @@ def celery_config(settings: Any = None) -> dict[str, Any]:
             "billing.*": {"queue": "billing"},
             "adapters.ingest.*": {"queue": "adapters.ingest"},
             "adapters.eval.*": {"queue": "adapters.eval"},
+            "batches.*": {"queue": "batches"},
         },
         "include": list(TASK_MODULES),
         "timezone": "UTC",

@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     # 1. JSON in the environment: MPLEX_PLAN_WEIGHTS='{"default": 1, "pro": 4}'.
     plan_weights: dict[str, float] = Field(default_factory=lambda: {"default": 1.0})
 
+    # The Batch API's pacing (services.batch.pacing): batch lines in flight per engine at most, and the
+    # engine figures above which batch work yields to interactive load.
+    batch_max_in_flight_per_engine: int = Field(8, ge=1, le=256)
+    batch_yield_kv_usage: float = Field(0.8, gt=0, le=1)
+    batch_yield_interactive_running: int = Field(4, ge=0)
+
     @field_validator("plan_weights", mode="after")
     @classmethod
     def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:

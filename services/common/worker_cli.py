@@ -76,6 +76,8 @@ def run_worker(queues: list[str], *, concurrency: int | None, pool: str, metrics
 
     from services.common.celery_app import app as celery
 
+    # Loads the lazy configuration here, before the HTTP thread's /ready can touch it: Celery evaluates it
+    # without a lock, and a probe racing the worker's own first read could leave it on the default broker.
     _check_configured(celery, queues)
     state = _WorkerState(queues)
     _install_task_metrics()

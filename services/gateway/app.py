@@ -25,10 +25,12 @@ from services.gateway.api import (
     admin,
     admin_engines,
     auth,
+    batches,
     finance,
     openai,
     playground,
     tenant,
+    tenant_batches,
     tenant_usage,
 )
 from services.gateway.security import install_security_headers
@@ -37,7 +39,8 @@ from services.gateway.static import mount_web
 
 log = logging.getLogger("mplex.gateway")
 WEB_DIST = Path(__file__).resolve().parents[2] / "web" / "dist"
-UPLOAD_PATHS = (r"/api/tenant/adapters", r"/api/admin/tenants/[^/]+/adapters")
+# Adapter and batch file uploads stream their bodies under their own (larger) limits.
+UPLOAD_PATHS = (r"/api/tenant/adapters", r"/api/admin/tenants/[^/]+/adapters", r"/v1/files")
 
 
 class _MetricsMiddleware:
@@ -79,7 +82,7 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
                        streaming_paths=UPLOAD_PATHS)
     install_security_headers(app, hsts=settings.session_cookie_secure)
     app.include_router(_probes)
-    for module in (openai, auth, tenant, tenant_usage, playground, admin, admin_engines, finance, adapters):
+    for module in (openai, batches, auth, tenant, tenant_batches, tenant_usage, playground, admin, admin_engines, finance, adapters):
         app.include_router(module.router)
     if web_dist is not None:
         mount_web(app, web_dist)

@@ -46,6 +46,7 @@ class UsageRecord:
     finished_ms: int | None = None
     engine_id: str | None = None
     compute_us: int = 0
+    service_tier: str = "default"  # "batch": a Batch API line (services.common.batch_contract.SERVICE_TIER)
 
     def to_row(self) -> dict:
         return asdict(self)
@@ -67,6 +68,12 @@ class UsageRecord:
 
 
 _INSERT = insert(UsageEvent.__table__).on_conflict_do_nothing(index_elements=["request_id"])
+
+
+def insert_in(session: Session, rec: UsageRecord) -> bool:
+    """Insert one record in the caller's transaction (the batch runner commits it with the line's answer);
+    True when it was new."""
+    return bool(session.execute(_INSERT, [rec.to_row()]).rowcount)
 
 
 def insert_rows(session_factory: sessionmaker[Session], rows: list[dict]) -> int:

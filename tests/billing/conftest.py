@@ -31,10 +31,12 @@ def config() -> BillingConfig:
 
 
 def make_price(db: Session, *, plan: str, base_model: str = DEMO_BASE_MODEL, effective_from: datetime = EPOCH,
-               input: int = 200_000, cached_input: int = 100_000, output: int = 600_000, adapter_surcharge: int = 50_000):
+               input: int = 200_000, cached_input: int = 100_000, output: int = 600_000, adapter_surcharge: int = 50_000,
+               batch_discount_bps: int = 5000):
     make_base_model(db, name=base_model)
     row = set_list_price(db, base_model=base_model, plan=plan, effective_from=effective_from, input=input,
-                         cached_input=cached_input, output=output, adapter_surcharge=adapter_surcharge)
+                         cached_input=cached_input, output=output, adapter_surcharge=adapter_surcharge,
+                         batch_discount_bps=batch_discount_bps)
     db.commit()
     return row
 

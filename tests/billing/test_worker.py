@@ -138,7 +138,7 @@ def test_task_defaults(celery):
     assert conf.task_acks_late and conf.task_reject_on_worker_lost
     assert conf.worker_prefetch_multiplier == 1
     assert conf.accept_content == ["json"] and conf.task_serializer == "json"
-    assert {q.name for q in conf.task_queues} == {"adapters.ingest", "adapters.eval", "billing"}
+    assert {q.name for q in conf.task_queues} == {"adapters.ingest", "adapters.eval", "billing", "batches"}
     task = celery.tasks["billing.rollup"]
     assert task.max_retries == 5 and task.retry_backoff and task.autoretry_for
     assert celery.amqp.router.route({}, "billing.rollup")["queue"].name == "billing"

@@ -1,7 +1,8 @@
 """The code's shape, checked: services depend only downward, no module imports itself back through others,
 and no function in services/ is longer than a reader can follow (80 lines).
 
-Layers, lowest first: common; modelkit; engine; billing and adapters; gateway; devstack; the `mplex` entry
+Layers, lowest first: common; modelkit; engine; billing and adapters; gateway; batch (the Batch API's runner,
+which drives the gateway's request path); devstack; the `mplex` entry
 point (services/cli.py). Every `import` counts, module-level or inside a function, except those under
 `if TYPE_CHECKING:`; `from package import submodule` is an edge to the submodule, not to the package.
 """
@@ -12,7 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
-LAYERS = {"common": 0, "modelkit": 1, "engine": 2, "billing": 3, "adapters": 3, "gateway": 4, "devstack": 5, "cli": 6}
+LAYERS = {"common": 0, "modelkit": 1, "engine": 2, "billing": 3, "adapters": 3, "gateway": 4, "batch": 5, "devstack": 6,
+          "cli": 7}
 MAX_FUNCTION_LINES = 80
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.batch_contract import batch_public_id, file_public_id
+
 from tests.factories import (
     DEFAULT_PASSWORD,
     make_adapter,
@@ -167,6 +169,8 @@ class TenantWorld:
     v1: object  # ready, active
     v2: object  # rejected by the gate
     event: object  # a usage event (a request made with `key` through `adapter` v1)
+    batch: object  # a Batch API batch (in progress) and its input file
+    batch_file: object
     ids: dict[str, str] = field(default_factory=dict)
 
     def markers(self) -> list[str]:
@@ -174,7 +178,7 @@ class TenantWorld:
         return [str(self.tenant.id), self.tenant.slug, self.tenant.name, str(self.key.row.id), self.key.row.prefix,
                 self.key.row.name, str(self.adapter.id), self.adapter.name, str(self.v1.id), str(self.v2.id),
                 self.v1.content_sha256, self.v2.content_sha256, self.admin.email, self.member.email,
-                self.event.request_id]
+                self.event.request_id, batch_public_id(self.batch.id), file_public_id(self.batch_file.id)]
 
 
 @dataclass
@@ -189,7 +193,27 @@ class World:
                 "platform_admin": self.platform_admin.email, "finance": self.finance.email}[role]
 
 
-def make_tenant_world(db, label: str) -> TenantWorld:
+def make_batch(db, *, tenant, api_key, store):
+    """An in-progress batch of one line and its input file, stored (no worker runs it here)."""
+    from datetime import datetime, timedelta, timezone
+
+    from services.common.batch_contract import BatchStatus
+    from services.common.models import Batch
+    from services.gateway.batch_files import put_file
+
+    line = json.dumps({"custom_id": f"bola-{tenant.slug}", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "hi"}}).encode()
+    f = put_file(store, db, tenant_id=tenant.id, data=line, filename="in.jsonl", purpose="batch", line_count=1)
+    now = datetime.now(timezone.utc)
+    b = Batch(tenant_id=tenant.id, api_key_id=api_key.id, input_file_id=f.id, endpoint="/v1/completions",
+              completion_window="24h", status=BatchStatus.IN_PROGRESS, total=1, expires_at=now + timedelta(days=1),
+              in_progress_at=now)
+    db.add(b)
+    db.commit()
+    return f, b
+
+
+def make_tenant_world(db, label: str, store) -> TenantWorld:
     from services.common.models import AdapterStatus, Role
 
     from tests.factories import unique
@@ -205,17 +229,20 @@ def make_tenant_world(db, label: str) -> TenantWorld:
     db.commit()
     event = make_usage_event(db, tenant=tenant, api_key=key.row, adapter_version=v1, model=adapter.name,
                              prompt_tokens=30, completion_tokens=12)
-    return TenantWorld(tenant, admin, member, key, adapter, v1, v2, event)
+    batch_file, batch = make_batch(db, tenant=tenant, api_key=key.row, store=store)
+    return TenantWorld(tenant, admin, member, key, adapter, v1, v2, event, batch, batch_file)
 
 
 @pytest.fixture(scope="module")
-def world(db_engine) -> World:
+def world(db_engine, gateway) -> World:
     from sqlalchemy.orm import Session
 
+    from services.adapters.storage import ObjectStore
     from services.common.models import Role
 
+    store = ObjectStore.from_settings(gateway.settings)  # where the gateway reads batch files from
     with Session(db_engine, expire_on_commit=False) as db:
-        a, b = make_tenant_world(db, "a"), make_tenant_world(db, "b")
+        a, b = make_tenant_world(db, "a", store), make_tenant_world(db, "b", store)
         return World(a, b, make_user(db, role=Role.PLATFORM_ADMIN), make_user(db, role=Role.FINANCE))
 
 

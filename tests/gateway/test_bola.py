@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 from sqlalchemy.orm import Session
 
-from services.common.models import Adapter, AdapterVersion, ApiKey, Tenant, TenantLimits
+from services.common.models import Adapter, AdapterVersion, ApiKey, Batch, BatchFile, Tenant, TenantLimits
 from tests.gateway.mgmt_harness import (  # noqa: F401 (fixtures)
     audit_count,
     browser,
@@ -65,6 +65,10 @@ ENDPOINTS = [
     Endpoint("GET", "/api/tenant/usage/keys", TENANT),
     Endpoint("GET", "/api/tenant/requests/{id}", TENANT, target="request"),
     Endpoint("POST", "/api/tenant/playground/key", TENANT),
+    # the web app's batches page (api/tenant_batches.py)
+    Endpoint("GET", "/api/tenant/batches", TENANT),
+    Endpoint("POST", "/api/tenant/batches/{id}/cancel", TENANT, target="batch"),
+    Endpoint("GET", "/api/tenant/batch-files/{id}/content", TENANT, target="batch_file"),
     # platform admin (api/admin.py): any tenant's ids, platform_admin only
     Endpoint("GET", "/api/admin/tenants", PLATFORM, tenant_scoped=False),
     Endpoint("POST", "/api/admin/tenants", PLATFORM, tenant_scoped=False, body={"name": "BOLA", "slug": "bola-x"}),
@@ -122,8 +126,10 @@ def _assert_served(gateway, ep: Endpoint) -> None:
 
 
 def _ids(tw) -> dict[str, str]:
+    from services.common.batch_contract import batch_public_id, file_public_id
+
     return {"key": str(tw.key.row.id), "version": str(tw.v1.id), "adapter": str(tw.adapter.id), "tenant": str(tw.tenant.id),
-            "request": tw.event.request_id}
+            "request": tw.event.request_id, "batch": batch_public_id(tw.batch.id), "batch_file": file_public_id(tw.batch_file.id)}
 
 
 def _call(api, ep: Endpoint, id_: str | None = None):
@@ -137,7 +143,9 @@ def _state(db_engine, tw) -> dict:
         t = s.get(Tenant, tw.tenant.id)
         lim = s.get(TenantLimits, tw.tenant.id)
         a = s.get(Adapter, tw.adapter.id)
+        b = s.get(Batch, tw.batch.id)
         return {
+            "batch": (str(b.status), b.cancelling_at, s.get(BatchFile, tw.batch_file.id).deleted_at),
             "tenant": (t.name, t.plan, str(t.status)),
             "limits": (lim.tokens_per_min, lim.requests_per_min, lim.concurrent_requests, lim.monthly_token_budget,
                        lim.storage_quota_bytes),
@@ -201,6 +209,7 @@ def test_roles(gateway, browser, world, ep, role, untouched):
         assert marker not in r.text
 
 
+NOT_UUIDS = {"request", "batch", "batch_file"}
 TENANT_ID_ENDPOINTS = [e for e in ENDPOINTS if e.tenant_scoped and e.target is not None]
 
 
@@ -219,10 +228,11 @@ def test_other_tenants_ids_are_404_like_missing_ones(gateway, browser, world, ep
     assert {k.lower() for k in theirs.headers} == {k.lower() for k in missing.headers}
     for marker in world.b.markers():
         assert marker not in theirs.text
-    # An id of the caller's own, of the wrong kind, is no way round either. (A request id is not a UUID: routes
-    # whose id is a UUID refuse it as malformed, 400, before any lookup; it is tried on the request route only.)
+    # An id of the caller's own, of the wrong kind, is no way round either. (Request, batch and batch-file ids are
+    # not UUIDs: routes whose id is a UUID refuse them as malformed, 400, before any lookup; they are tried on the
+    # routes whose ids are strings only.)
     for kind, own in _ids(world.a).items():
-        if kind != ep.target and kind != "request":
+        if kind != ep.target and (kind in NOT_UUIDS) == (ep.target in NOT_UUIDS):
             r = _call(api, ep, own)
             assert r.status_code == 404 and r.content == missing.content, (kind, r.text)
 
@@ -287,3 +297,108 @@ def test_uploads_land_in_the_callers_tenant_only(db_engine, browser, world, tmp_
     assert a_admin.get(f"/api/tenant/adapter-versions/{b_version}").status_code == 404
     assert b_version not in a_admin.get("/api/tenant/adapters").text
     assert browser(world.b.admin.email).get(f"/api/tenant/adapter-versions/{b_version}").status_code == 200
+
+
+# -- the Batch API (/v1/files, /v1/batches): API keys of the tenant, never another's ids -------------------------
+BATCH_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+@dataclass(frozen=True)
+class V1Endpoint:
+    method: str
+    path: str
+    target: str | None = None  # file | batch
+    body: dict | None = None
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+V1_ENDPOINTS = [
+    V1Endpoint("POST", "/v1/files"),
+    V1Endpoint("GET", "/v1/files/{id}", "file"),
+    V1Endpoint("GET", "/v1/files/{id}/content", "file"),
+    V1Endpoint("DELETE", "/v1/files/{id}", "file"),
+    V1Endpoint("POST", "/v1/batches", "file"),  # {id} travels in the body: input_file_id
+    V1Endpoint("GET", "/v1/batches"),
+    V1Endpoint("GET", "/v1/batches/{id}", "batch"),
+    V1Endpoint("POST", "/v1/batches/{id}/cancel", "batch"),
+]
+
+
+def _batch_line(model: str) -> bytes:
+    import json
+
+    return json.dumps({"custom_id": "bola", "method": "POST", "url": "/v1/completions",  # this model has no chat template
+                       "body": {"model": model, "prompt": "hi", "max_tokens": 2}}).encode()
+
+
+def _v1(gateway, ep: V1Endpoint, key: str | None, id_: str | None = None):
+    import httpx
+
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    url = gateway.url + (ep.path.replace("{id}", id_) if id_ and "{id}" in ep.path else ep.path)
+    if ep.path == "/v1/files" and ep.method == "POST":
+        files = {"file": ("b.jsonl", _batch_line(gateway.settings.base_model_name))}
+        return httpx.post(url, headers=headers, data={"purpose": "batch"}, files=files, timeout=30)
+    if ep.path == "/v1/batches" and ep.method == "POST":
+        body = {"input_file_id": id_ or "file-" + "0" * 32, "endpoint": "/v1/completions", "completion_window": "24h"}
+        return httpx.post(url, headers=headers, json=body, timeout=30)
+    return httpx.request(ep.method, url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def batch_ids(gateway, world):
+    """A file and a batch of each tenant, made through the API with its own key."""
+    out = {}
+    for label, tw in (("a", world.a), ("b", world.b)):
+        f = _v1(gateway, V1_ENDPOINTS[0], tw.key.secret)
+        assert f.status_code == 200, f.text
+        b = _v1(gateway, V1_ENDPOINTS[4], tw.key.secret, f.json()["id"])
+        assert b.status_code == 200, b.text
+        out[label] = {"file": f.json()["id"], "batch": b.json()["id"]}
+    return out
+
+
+def _b_state(gateway, world, ids) -> tuple:
+    key = world.b.key.secret
+    f = _v1(gateway, V1_ENDPOINTS[2], key, ids["b"]["file"])
+    b = _v1(gateway, V1_ENDPOINTS[6], key, ids["b"]["batch"]).json()
+    return f.status_code, f.content, b["status"], b["cancelling_at"]
+
+
+def test_every_batch_api_route_is_in_the_matrix(gateway):
+    served = {r for r in app_routes(gateway.app) if r[1].startswith(BATCH_PREFIXES)}
+    assert served == {(e.method, e.path) for e in V1_ENDPOINTS}
+
+
+@pytest.mark.parametrize("ep", V1_ENDPOINTS, ids=str)
+def test_batch_api_needs_a_key_with_the_inference_scope(gateway, world, db_engine, ep):
+    assert _v1(gateway, ep, None, "file-" + "0" * 32).status_code == 401
+    with Session(db_engine) as db:
+        from tests.factories import make_api_key
+
+        usage_only = make_api_key(db, tenant=db.get(Tenant, world.a.tenant.id), scopes=["usage:read"]).secret
+    r = _v1(gateway, ep, usage_only, "file-" + "0" * 32)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "missing_scope", r.text
+
+
+@pytest.mark.parametrize("ep", [e for e in V1_ENDPOINTS if e.target], ids=str)
+def test_batch_api_other_tenants_ids_are_404_like_missing_ones(gateway, world, batch_ids, ep):
+    before = _b_state(gateway, world, batch_ids)
+    key = world.a.key.secret
+    theirs = _v1(gateway, ep, key, batch_ids["b"][ep.target])
+    missing = _v1(gateway, ep, key, ("file-" if ep.target == "file" else "batch_") + uuid.uuid4().hex)
+    assert theirs.status_code == missing.status_code == 404, (theirs.text, missing.text)
+    assert theirs.content == missing.content
+    for marker in world.b.markers() + [batch_ids["b"]["file"], batch_ids["b"]["batch"]]:
+        assert marker not in theirs.text
+    assert _b_state(gateway, world, batch_ids) == before  # B's file and batch are untouched
+    own = _v1(gateway, ep, key, batch_ids["a"][ep.target])  # the same call on A's own id does act
+    assert own.status_code == 200, own.text
+
+
+def test_batch_listing_shows_only_the_callers_batches(gateway, world, batch_ids):
+    listed = _v1(gateway, V1Endpoint("GET", "/v1/batches"), world.a.key.secret).text
+    assert batch_ids["a"]["batch"] in listed and batch_ids["b"]["batch"] not in listed
+    assert batch_ids["b"]["file"] not in listed

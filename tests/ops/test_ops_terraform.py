@@ -161,7 +161,7 @@ def test_engines_the_gateway_and_prometheus_share_the_engine_credential():
 
 def test_workers_per_queue_single_beat_and_migrations_before_rollout():
     variables = _hcl("k8s_app", "variables.tf")
-    for queue in ("adapters.ingest", "adapters.eval", "billing"):
+    for queue in ("adapters.ingest", "adapters.eval", "billing", "batches"):
         assert f'queue = "{queue}"' in variables
     workers = _hcl("k8s_app", "workers.tf")
     assert '["mplex", "worker", "--queues", each.value.queue]' in workers

@@ -2,7 +2,7 @@
 
 One stack for the whole directory (session scope): a database of its own (migrated, seeded like `make up`:
 the demo tenant, one user per role, demo prices), the test Redis, one engine on the demo model, a Celery
-worker for the adapter queues, and the gateway serving the built app (web/dist). The database is private so
+worker for the adapter and batch queues, and the gateway serving the built app (web/dist). The database is private so
 that the finance totals checked against it are this stack's traffic only, not other test modules' rows.
 
 Every test gets a fresh browser context; its final page is saved to test-artifacts/web/<test>.png and any
@@ -93,14 +93,14 @@ def web_stack(web_dist, web_database_url, stack_env, service_urls, demo_kit, tmp
         s.commit()
     # Adapter tasks other modules queued for a worker that never ran belong to another database.
     client = redis.Redis.from_url(service_urls.broker_url)
-    client.delete("adapters.ingest", "adapters.eval")
+    client.delete("adapters.ingest", "adapters.eval", "batches")
     client.close()
     env = {**stack_env, "MPLEX_DATABASE_URL": web_database_url, "MPLEX_HOME": str(tmp_path_factory.mktemp("web-home")),
            "MPLEX_BASE_MODEL_DIR": str(kit.base_dir), "MPLEX_BASE_MODEL_NAME": kit.model_name, **GATE_ENV}
     stack = Stack(env, tmp_path_factory.mktemp("web-stack-logs"))
     try:
         stack.engine(kit.base_dir, kit.model_name, f"web-eng-{os.getpid()}", kv_mb=64, max_loras=4)
-        stack.worker("adapters.ingest,adapters.eval")
+        stack.worker("adapters.ingest,adapters.eval,batches")
         gw = stack.gateway(kit.base_dir, kit.model_name)
         yield WebStack(gw.url, stack, kit, seed.tenant_id, seed.api_key, web_database_url, engine)
     finally:

@@ -91,23 +91,28 @@ def ledger_totals(db_engine, day_from, day_to, tenant_id=None) -> dict[str, int]
 
     lo = datetime.combine(day_from, time.min, timezone.utc)
     hi = datetime.combine(day_to + timedelta(days=1), time.min, timezone.utc)
-    sql = ("SELECT count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(compute_us), "
-           "bool_or(adapter_version_id IS NOT NULL) FROM usage_events WHERE created_at >= :lo AND created_at < :hi"
-           + (" AND tenant_id = :t" if tenant_id else "")
-           + " GROUP BY (created_at AT TIME ZONE 'UTC')::date, tenant_id, model, adapter_version_id")
+    sql = ("SELECT (created_at AT TIME ZONE 'UTC')::date, tenant_id, model, adapter_version_id, service_tier = 'batch', "
+           "count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(compute_us) "
+           "FROM usage_events WHERE created_at >= :lo AND created_at < :hi" + (" AND tenant_id = :t" if tenant_id else "")
+           + " GROUP BY 1, 2, 3, 4, 5")
     out = dict.fromkeys(("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "billed_microusd",
                          "compute_cost_microusd"), 0)
+    groups: dict[tuple, list[int]] = {}  # daily row -> [billed pico x kept basis points, compute us]
     with db_engine.connect() as conn:
-        for n, p, c, o, us, adapter in conn.execute(text(sql), {"lo": lo, "hi": hi, "t": tenant_id}):
+        for *key, batch, n, p, c, o, us in conn.execute(text(sql), {"lo": lo, "hi": hi, "t": tenant_id}):
             pico = (p - c) * DEMO_PRICES["input"] + c * DEMO_PRICES["cached_input"] + o * DEMO_PRICES["output"]
-            if adapter:
+            if key[3] is not None:  # an adapter
                 pico += (p + o) * DEMO_PRICES["adapter_surcharge"]
+            g = groups.setdefault(tuple(key), [0, 0])
+            g[0] += pico * (5_000 if batch else 10_000)
+            g[1] += us
             out["requests"] += n
             out["prompt_tokens"] += p
             out["cached_tokens"] += c
             out["completion_tokens"] += o
-            out["billed_microusd"] += _half_up(pico, PICO_PER_MICRO)
-            out["compute_cost_microusd"] += _half_up(us * CPU_PER_HOUR, US_PER_HOUR)
+    for billed_scaled, us in groups.values():
+        out["billed_microusd"] += _half_up(billed_scaled, PICO_PER_MICRO * 10_000)
+        out["compute_cost_microusd"] += _half_up(us * CPU_PER_HOUR, US_PER_HOUR)
     return out
 
 

@@ -7,6 +7,7 @@ import { Link } from "./components/Link";
 import { ErrorBox, Loading } from "./components/Status";
 import { AppContext, useApp } from "./context";
 import { AdaptersPage } from "./pages/AdaptersPage";
+import { BatchesPage } from "./pages/BatchesPage";
 import { EnginesPage } from "./pages/EnginesPage";
 import { FinancePage } from "./pages/FinancePage";
 import { KeysPage } from "./pages/KeysPage";
@@ -104,6 +105,7 @@ function resolve(user: User, path: string): Resolved | null {
     "/keys": () => ({ title: "API keys", page: <KeysPage /> }),
     "/adapters": () => ({ title: "Adapters", page: <AdaptersPage /> }),
     "/playground": () => ({ title: "Playground", page: <PlaygroundPage /> }),
+    "/batches": () => ({ title: "Batches", page: <BatchesPage /> }),
     "/admin/tenants": () => ({ title: "Tenants", page: <TenantsPage /> }),
     "/admin/upload": () => ({ title: "Upload adapter", page: <UploadPage scope="admin" /> }),
     "/admin/engines": () => ({ title: "Engines", page: <EnginesPage /> }),

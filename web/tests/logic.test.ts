@@ -192,7 +192,7 @@ describe("limits", () => {
 
 describe("roles", () => {
   it("shows each role only its own pages", () => {
-    expect(navFor("tenant_member").map((n) => n.testid)).toEqual(["nav-usage", "nav-keys", "nav-adapters", "nav-playground"]);
+    expect(navFor("tenant_member").map((n) => n.testid)).toEqual(["nav-usage", "nav-keys", "nav-adapters", "nav-playground", "nav-batches"]);
     expect(navFor("finance").map((n) => n.path)).toEqual(["/finance"]);
     expect(navFor("platform_admin").map((n) => n.path)).toContain("/admin/engines");
     expect(homeFor("platform_admin")).toBe("/admin/tenants");

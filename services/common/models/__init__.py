@@ -14,6 +14,7 @@ from services.common.models.adapters import (
 )
 from services.common.models.audit import AuditLog
 from services.common.models.base import Base, utcnow
+from services.common.models.batches import Batch, BatchFile, BatchLine
 from services.common.models.billing import BillingCursor, Statement, StatementLine, UsageDaily
 from services.common.models.identity import ApiKey, Role, User, WebSession
 from services.common.models.ledger import EngineUsageReport, UsageEvent, UsageStatus
@@ -30,6 +31,9 @@ __all__ = [
     "AuditLog",
     "Base",
     "BaseModelRecord",
+    "Batch",
+    "BatchFile",
+    "BatchLine",
     "BillingCursor",
     "EngineType",
     "EngineUsageReport",

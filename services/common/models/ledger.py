@@ -30,6 +30,7 @@ class UsageEvent(Base):
         CheckConstraint("prompt_tokens >= 0 AND completion_tokens >= 0", name="tokens_nonneg"),
         CheckConstraint("cached_tokens BETWEEN 0 AND prompt_tokens", name="cached_within_prompt"),
         CheckConstraint("compute_us >= 0", name="compute_nonneg"),
+        CheckConstraint("service_tier IN ('default', 'batch')", name="service_tier_known"),
         Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_events_created_at", "created_at"),
         Index("ix_usage_events_recorded_at", "recorded_at"),  # roll-ups find late arrivals by ingest time
@@ -57,6 +58,8 @@ class UsageEvent(Base):
     finished_ms: Mapped[int | None] = mapped_column(Integer)
     engine_id: Mapped[str | None]
     compute_us: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))  # share of engine step time
+    # "batch": a Batch API line (priced at the price book's batch rate, counted against the batch quota)
+    service_tier: Mapped[str] = mapped_column(default="default", server_default="default")
     recorded_at: Mapped[datetime] = created_at()  # when the row landed (after a spool replay, maybe much later)
 
 

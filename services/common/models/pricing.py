@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 
-from sqlalchemy import CheckConstraint, ForeignKey, Integer, UniqueConstraint
+from sqlalchemy import CheckConstraint, ForeignKey, Integer, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from services.common.models.base import Base, created_at, micros, uuid_pk
@@ -26,6 +26,7 @@ class Price(Base):
     __table_args__ = (
         UniqueConstraint("base_model", "plan", "effective_from"),
         *(CheckConstraint(f"{c} >= 0", name=f"{short}_nonneg") for c, short in _PRICE_COLUMNS.items()),
+        CheckConstraint("batch_discount_bps BETWEEN 0 AND 10000", name="batch_discount_range"),
     )
 
     id: Mapped[uuid.UUID] = uuid_pk()
@@ -36,6 +37,8 @@ class Price(Base):
     cached_input_per_mtok_micros: Mapped[int] = micros()  # per 1,000,000 prompt tokens served from the prefix cache
     output_per_mtok_micros: Mapped[int] = micros()
     adapter_surcharge_per_mtok_micros: Mapped[int] = micros(default=0)  # on all tokens of adapter requests
+    # The Batch API's rate: this share off the amount of batch lines (after any contract discount)
+    batch_discount_bps: Mapped[int] = mapped_column(Integer, default=5000, server_default=text("5000"))
     created_by: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("users.id"))
     created_at: Mapped[datetime] = created_at()
 

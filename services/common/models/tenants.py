@@ -60,6 +60,8 @@ class TenantLimits(LimitColumns, Base):
     __table_args__ = (
         *limit_checks(),
         CheckConstraint("storage_quota_bytes IS NULL OR storage_quota_bytes >= 0", name="storage_quota_bytes_nonneg"),
+        CheckConstraint("monthly_batch_token_budget IS NULL OR monthly_batch_token_budget >= 0",
+                        name="monthly_batch_token_budget_nonneg"),
     )
 
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
@@ -67,6 +69,8 @@ class TenantLimits(LimitColumns, Base):
     # not "unlimited" but the platform default (MPLEX_ADAPTERS_STORAGE_QUOTA_BYTES): a deployment's default
     # then applies to every tenant that was never given its own.
     storage_quota_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Batch API tokens a calendar month (UTC), apart from the live windows above; NULL = unlimited.
+    monthly_batch_token_budget: Mapped[int | None] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = updated_at()
 
     tenant: Mapped[Tenant] = relationship(back_populates="limits")

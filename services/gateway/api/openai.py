@@ -64,14 +64,15 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 @dataclasses.dataclass
-class _Call:
-    """One request's bookkeeping, finalized exactly once whatever way it ends."""
+class Call:
+    """One request's bookkeeping, finalized exactly once whatever way it ends. The batch runner
+    (services.batch) drives the same object for each line, with no live reservation."""
 
     gw: Any
     principal: Any
     resolved: ResolvedModel
     plan: OpenAIPlan
-    reservation: Reservation
+    reservation: Reservation | None
     request_id: str
     client_request_id: str | None
     accepted_at: datetime
@@ -79,6 +80,7 @@ class _Call:
     results: list[StreamResult]
     done: bool = False
     delivered: bool = False  # the whole response was handed to the client's connection
+    service_tier: str = "default"
 
     def usage(self, server_failed: bool = False) -> Usage:
         """OpenAI semantics: each distinct prompt counts once (once an engine has processed it), every
@@ -100,6 +102,36 @@ class _Call:
     def sent(self, choice: int, tokens: int) -> None:
         self.results[choice].sent_tokens += tokens
 
+    def first_token_s(self) -> float | None:
+        firsts = [r.first_token_at for r in self.results if r.first_token_at is not None]
+        return (min(firsts) - self.t0) if firsts else None
+
+    def usage_record(self, u: Usage, status: str, http_status: int, error_code: str | None) -> UsageRecord:
+        """The ledger row of this request as it ended (now)."""
+        end, ttft = time.monotonic(), self.first_token_s()
+        return UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.principal.tenant_id,
+            api_key_id=self.principal.key_id,
+            model=self.resolved.requested,
+            base_model=self.resolved.base.name,
+            adapter_version_id=self.resolved.adapter.version_id if self.resolved.adapter else None,
+            prompt_tokens=u.prompt_tokens,
+            cached_tokens=min(u.cached_tokens, u.prompt_tokens),
+            completion_tokens=u.completion_tokens,
+            status=status,
+            http_status=http_status,
+            created_at=self.accepted_at,
+            error_code=error_code,
+            client_request_id=self.client_request_id,
+            first_token_ms=int(ttft * 1000) if ttft is not None else None,
+            finished_ms=int((end - self.t0) * 1000),
+            # The engine that served it -- or, for a request lost inside one, the engine that had it.
+            engine_id=next((r.engine_id or r.tried_engine_id for r in self.results if r.engine_id or r.tried_engine_id), None),
+            compute_us=int(sum(r.compute_seconds for r in self.results) * 1e6),
+            service_tier=self.service_tier,
+        )
+
     async def finalize(self, status: str, http_status: int, error_code: str | None = None) -> None:
         if self.done:
             return
@@ -107,32 +139,11 @@ class _Call:
         with anyio.CancelScope(shield=True):  # a client hanging up must not cancel the money path
             gw = self.gw
             u = self.usage(server_failed=http_status >= 500)
-            await gw.quotas.settle(self.reservation, u.prompt_tokens + u.completion_tokens)
-            end = time.monotonic()
-            firsts = [r.first_token_at for r in self.results if r.first_token_at is not None]
-            ttft = (min(firsts) - self.t0) if firsts else None
-            tpot = ((end - min(firsts)) / (u.completion_tokens - 1)) if firsts and u.completion_tokens > 1 else None
-            rec = UsageRecord(
-                request_id=self.request_id,
-                tenant_id=self.principal.tenant_id,
-                api_key_id=self.principal.key_id,
-                model=self.resolved.requested,
-                base_model=self.resolved.base.name,
-                adapter_version_id=self.resolved.adapter.version_id if self.resolved.adapter else None,
-                prompt_tokens=u.prompt_tokens,
-                cached_tokens=min(u.cached_tokens, u.prompt_tokens),
-                completion_tokens=u.completion_tokens,
-                status=status,
-                http_status=http_status,
-                created_at=self.accepted_at,
-                error_code=error_code,
-                client_request_id=self.client_request_id,
-                first_token_ms=int(ttft * 1000) if ttft is not None else None,
-                finished_ms=int((end - self.t0) * 1000),
-                # The engine that served it -- or, for a request lost inside one, the engine that had it.
-                engine_id=next((r.engine_id or r.tried_engine_id for r in self.results if r.engine_id or r.tried_engine_id), None),
-                compute_us=int(sum(r.compute_seconds for r in self.results) * 1e6),
-            )
+            if self.reservation is not None:
+                await gw.quotas.settle(self.reservation, u.prompt_tokens + u.completion_tokens)
+            rec = self.usage_record(u, status, http_status, error_code)
+            ttft = self.first_token_s()
+            tpot = ((rec.finished_ms / 1000 - ttft) / (u.completion_tokens - 1)) if ttft is not None and u.completion_tokens > 1 else None
             via = await gw.meter.record(rec)
             m = gw.metrics
             m.tokens.labels(kind="prompt").inc(u.prompt_tokens)
@@ -169,19 +180,19 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
     bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
     reservation = await _reserve(gw, principal, plan, request_id)
-    call = _Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
+    call = Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
                  [StreamResult() for _ in plan.jobs])
     headers = {"x-request-id": request_id, **reservation.headers}
     try:
-        items = merge(await _open_streams(call, req))
+        items = merge(await open_streams(call, req))
         first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
         clamped = next((r.clamped_max_tokens for r in call.results if r.clamped_max_tokens), None)
         if clamped:  # the engine clamped this batch-class request's max_tokens under overload
             headers[CLAMPED_HEADER] = clamped
     except BaseException as exc:
-        status, http_status, code = _failure(exc)
+        status, http_status, code = failure(exc)
         await call.finalize(status, http_status, code)
-        raise _as_api_error(exc, gw) from None
+        raise as_api_error(exc, gw) from None
     response_id = _response_id(kind, request_id)
     if req.stream:
         return ClosingStreamingResponse(_sse_body(call, response_id, req.model, _prepend(first, items)),
@@ -189,11 +200,11 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     try:
         body, _ = await unless_disconnected(request, collect(plan, response_id, req.model, _prepend(first, items)))
     except BaseException as exc:
-        status, http_status, code = _failure(exc)
+        status, http_status, code = failure(exc)
         await call.finalize(status, http_status, code)
         if isinstance(exc, asyncio.CancelledError):
             raise
-        raise _as_api_error(exc, gw) from None
+        raise as_api_error(exc, gw) from None
     call.delivered = True
     body["usage"] = call.usage().to_dict()
     # Settle and meter after the response is on the wire: the client does not wait for Postgres.
@@ -218,7 +229,7 @@ async def _reserve(gw, principal, plan: OpenAIPlan, request_id: str) -> Reservat
                                       code="quota_unavailable") from None
 
 
-async def _open_streams(call: _Call, req) -> list[AsyncIterator]:
+async def open_streams(call: Call, req) -> list[AsyncIterator]:
     """One engine stream per choice, each trying the engines in the router's order for this request."""
     gw, plan, principal = call.gw, call.plan, call.principal
     engines = await gw.registry.engines(call.resolved.base.name)
@@ -238,14 +249,14 @@ async def _open_streams(call: _Call, req) -> list[AsyncIterator]:
     return streams
 
 
-async def _sse_body(call: _Call, response_id: str, model: str, items: AsyncIterator) -> AsyncIterator[bytes]:
+async def _sse_body(call: Call, response_id: str, model: str, items: AsyncIterator) -> AsyncIterator[bytes]:
     """The SSE stream; the request is settled and metered however it ends (done, failed, hung up)."""
     gw = call.gw
     outcome = ["cancelled", 499, "client_disconnected"]
 
     def failed(exc: BaseException) -> None:  # the stream ends with an error event
         gw.metrics.upstream_errors.labels(kind="stream").inc()
-        outcome[:] = _failure(exc)
+        outcome[:] = failure(exc)
         log.warning("stream %s failed: %s", call.request_id, exc)
 
     try:
@@ -298,7 +309,7 @@ def _response_id(kind: str, request_id: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
 
 
-def _failure(exc: BaseException) -> list:
+def failure(exc: BaseException) -> list:
     """(ledger status, HTTP status, error code) of a request that ended with `exc`."""
     if isinstance(exc, asyncio.CancelledError):
         return ["cancelled", 499, "client_disconnected"]
@@ -311,7 +322,7 @@ def _failure(exc: BaseException) -> list:
     return ["error", 500, exc.__class__.__name__]
 
 
-def _as_api_error(exc: BaseException, gw) -> BaseException:
+def as_api_error(exc: BaseException, gw) -> BaseException:
     if isinstance(exc, UpstreamRefused):
         err = exc.body.get("error") or {}
         gw.metrics.upstream_errors.labels(kind="refused").inc()

@@ -21,9 +21,17 @@ from services.billing.key_usage import usage_by_key
 from services.billing.pricebook import PriceBook
 from services.billing.pricing import price_usage
 from services.billing.statements import adapter_labels
-from services.billing.usage import UsageQueryError, parse_group_by, parse_period, tenant_spend, tenant_usage
+from services.billing.usage import (
+    UsageQueryError,
+    batch_usage,
+    month_bounds,
+    parse_group_by,
+    parse_period,
+    tenant_spend,
+    tenant_usage,
+)
 from services.common.errors import InvalidRequestError, NotFoundError
-from services.common.models import Tenant, UsageEvent
+from services.common.models import Tenant, TenantLimits, UsageEvent
 from services.gateway.deps import GatewayDep, SessionDep, UsageReader
 from services.gateway.quotas import Limits, Scope
 
@@ -153,14 +161,25 @@ async def spend(user: UsageReader, db: SessionDep, gw: GatewayDep) -> dict:
     config = BillingConfig.from_settings(gw.settings)
     s = await run_in_threadpool(tenant_spend, db, config, tenant_id=tenant_id)
     used = await _meters(gw, tenant_id, s.used_tokens)
+    batch = await run_in_threadpool(_batch_meter, db, tenant_id)
     return {
         "period": {"from": s.day_from.isoformat(), "to": s.day_to.isoformat()},
         "billed_microusd": s.billed_micros,
         "projected_microusd": s.projected_micros,
         "budget": {"monthly_token_budget": s.monthly_token_budget, "used_tokens": s.used_tokens},
         "budget_in_dollars": _budget_in_dollars(s),
-        "meters": {name: {"limit": s.limits[name], "used": used[name]} for name in ("tokens_per_min", "requests_per_min", "concurrent", "monthly_tokens")},
+        "meters": {**{name: {"limit": s.limits[name], "used": used[name]}
+                      for name in ("tokens_per_min", "requests_per_min", "concurrent", "monthly_tokens")},
+                   "monthly_batch_tokens": batch},
     }
+
+
+def _batch_meter(db, tenant_id: uuid.UUID) -> dict:
+    """The Batch API's own monthly token budget (apart from the live windows) and its use this month."""
+    limit = db.scalar(select(TenantLimits.monthly_batch_token_budget).where(TenantLimits.tenant_id == tenant_id))
+    start, end = month_bounds(datetime.now(timezone.utc))
+    used = batch_usage(db, tenant_id=tenant_id, start=start, end=end)
+    return {"limit": limit, "used": used["prompt_tokens"] + used["completion_tokens"]}
 
 
 def _budget_in_dollars(s) -> dict:

@@ -68,6 +68,8 @@ export type UsageGroupBy = "day" | "adapter" | "model";
 export interface UsageReport {
   rows: UsageRow[];
   totals: UsageFields;
+  /** Batch API lines of the period (also in rows and totals, billed at the batch rate). */
+  batch?: { requests: number; prompt_tokens: number; completion_tokens: number };
 }
 
 export interface Meter {
@@ -305,4 +307,21 @@ export interface PlaygroundKey {
 
 export interface ListResponse<T> {
   data: T[];
+}
+
+/** A Batch API batch as `/api/tenant/batches` lists it (OpenAI's batch object, plus the page's ETA). */
+export interface BatchJob {
+  id: string;
+  endpoint: string;
+  status: "validating" | "failed" | "in_progress" | "finalizing" | "completed" | "expired" | "cancelling" | "cancelled";
+  input_file_id: string;
+  output_file_id: string | null;
+  error_file_id: string | null;
+  created_at: number;
+  expires_at: number;
+  completed_at: number | null;
+  request_counts: { total: number; completed: number; failed: number };
+  usage: { input_tokens: number; output_tokens: number; total_tokens: number };
+  metadata: Record<string, string> | null;
+  eta_s: number | null;
 }

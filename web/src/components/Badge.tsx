@@ -17,6 +17,11 @@ const TONE: Record<string, string> = {
   uploaded: "info",
   validating: "info",
   evaluating: "info",
+  completed: "good",
+  in_progress: "info",
+  finalizing: "info",
+  cancelling: "warn",
+  cancelled: "warn",
 };
 
 export function Badge(props: { text: string; testid?: string; tone?: string }) {

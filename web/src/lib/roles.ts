@@ -12,6 +12,7 @@ const TENANT_NAV: NavItem[] = [
   { path: "/keys", label: "API keys", testid: "nav-keys" },
   { path: "/adapters", label: "Adapters", testid: "nav-adapters" },
   { path: "/playground", label: "Playground", testid: "nav-playground" },
+  { path: "/batches", label: "Batches", testid: "nav-batches" },
 ];
 
 const ADMIN_NAV: NavItem[] = [
@@ -43,8 +44,8 @@ export const isTenantRole = (role: Role): boolean => role === "tenant_member" ||
 
 /** Route prefixes each role may open; anything else sends the user to their home page. */
 const ACCESS: Record<Role, string[]> = {
-  tenant_member: ["/usage", "/keys", "/adapters", "/playground"],
-  tenant_admin: ["/usage", "/keys", "/adapters", "/playground"],
+  tenant_member: ["/usage", "/keys", "/adapters", "/playground", "/batches"],
+  tenant_admin: ["/usage", "/keys", "/adapters", "/playground", "/batches"],
   platform_admin: ["/admin", "/finance"],
   finance: ["/finance"],
 };

@@ -273,6 +273,14 @@ function DailyUsage({ report, period }: { report: UsageReport; period: Period })
           <dt>Tokens out</dt>
           <dd data-testid="usage-total-completion-tokens">{formatInt(t.completion_tokens)}</dd>
         </div>
+        {report.batch && report.batch.requests > 0 && (
+          <div>
+            <dt>of which Batch API</dt>
+            <dd data-testid="usage-total-batch">
+              {formatInt(report.batch.requests)} requests · {formatInt(report.batch.prompt_tokens + report.batch.completion_tokens)} tokens
+            </dd>
+          </div>
+        )}
       </dl>
       <div class="grid-2 charts">
         <div>

@@ -228,6 +228,8 @@ variable "workers" {
     ingest  = { queue = "adapters.ingest", min_replicas = 1, max_replicas = 6, target_depth_per_pod = 5, cpu = "2", memory = "8Gi" }
     eval    = { queue = "adapters.eval", min_replicas = 1, max_replicas = 4, target_depth_per_pod = 2, gpu = true, cpu = "16", memory = "180Gi", termination_grace_secs = 1800 }
     billing = { queue = "billing", min_replicas = 1, max_replicas = 3, target_depth_per_pod = 20 }
+    # One batch per worker process for its whole run: scale on batches waiting, not on tokens.
+    batches = { queue = "batches", min_replicas = 1, max_replicas = 4, target_depth_per_pod = 1 }
   }
 
   validation {
@@ -236,8 +238,8 @@ variable "workers" {
   }
 
   validation {
-    condition     = length(setsubtract(toset(["adapters.ingest", "adapters.eval", "billing"]), toset([for w in values(var.workers) : w.queue]))) == 0
-    error_message = "workers must consume every queue: adapters.ingest, adapters.eval and billing."
+    condition     = length(setsubtract(toset(["adapters.ingest", "adapters.eval", "billing", "batches"]), toset([for w in values(var.workers) : w.queue]))) == 0
+    error_message = "workers must consume every queue: adapters.ingest, adapters.eval, billing and batches."
   }
 }
 

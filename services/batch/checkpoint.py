@@ -1,0 +1,173 @@
+"""A batch's progress in Postgres, the one record of what has been answered.
+
+Exactly once: a line leaves `pending` in one transaction together with its ledger row (whose request id is
+derived from the batch and line number) and the batch's counters. A runner killed at any point leaves every
+line either answered-and-metered or pending; the next runner answers the pending ones. One runner per batch:
+a session-level advisory lock, released by Postgres when the runner's connection dies with it.
+"""
+from __future__ import annotations
+
+import tempfile
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import orjson
+from sqlalchemy import select, text, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.adapters.storage import ObjectStore
+from services.common.batch_contract import OUTPUT_PURPOSE, TERMINAL, BatchStatus, LineState, output_line
+from services.common.models import Batch, BatchLine
+from services.gateway.batch_files import put_path
+from services.gateway.metering import UsageRecord, insert_in
+
+_LOCK_CLASS = 0x6D70_6C78  # "mplx": the advisory-lock class of batch runners
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInfo:
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    api_key_id: uuid.UUID | None
+    status: BatchStatus
+    expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLine:
+    line_no: int
+    custom_id: str
+    url: str
+    body: dict
+
+
+def _lock_key(batch_id: uuid.UUID) -> int:
+    return int.from_bytes(batch_id.bytes[-4:], "big", signed=True)  # uuid7's random tail
+
+
+def try_lock(conn: Connection, batch_id: uuid.UUID) -> bool:
+    """Take the batch's runner lock on `conn` (held until released or the connection closes)."""
+    got = conn.execute(text("SELECT pg_try_advisory_lock(:c, :k)"), {"c": _LOCK_CLASS, "k": _lock_key(batch_id)}).scalar_one()
+    conn.commit()
+    return bool(got)
+
+
+def unlock(conn: Connection, batch_id: uuid.UUID) -> None:
+    conn.execute(text("SELECT pg_advisory_unlock(:c, :k)"), {"c": _LOCK_CLASS, "k": _lock_key(batch_id)})
+    conn.commit()
+
+
+def start(session_factory: sessionmaker[Session], batch_id: uuid.UUID) -> BatchInfo | None:
+    """The batch, moved from `validating` to `in_progress` (lines were checked at upload); None if unknown."""
+    with session_factory() as s:
+        b = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+        if b is None:
+            return None
+        if b.status == BatchStatus.VALIDATING:
+            b.status, b.in_progress_at = BatchStatus.IN_PROGRESS, datetime.now(timezone.utc)
+        s.commit()
+        return BatchInfo(b.id, b.tenant_id, b.api_key_id, b.status, b.expires_at)
+
+
+def should_stop(session_factory: sessionmaker[Session], batch_id: uuid.UUID) -> bool:
+    """Cancelled, or its completion window is over (read each time: an operator may move either)."""
+    with session_factory() as s:
+        status, expires_at = s.execute(select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)).one()
+    return status != BatchStatus.IN_PROGRESS or expires_at <= datetime.now(timezone.utc)
+
+
+def pending(session_factory: sessionmaker[Session], batch_id: uuid.UUID, *, after: int, limit: int) -> list[PendingLine]:
+    with session_factory() as s:
+        rows = s.execute(select(BatchLine.line_no, BatchLine.custom_id, BatchLine.url, BatchLine.body)
+                         .where(BatchLine.batch_id == batch_id, BatchLine.state == LineState.PENDING,
+                                BatchLine.line_no > after)
+                         .order_by(BatchLine.line_no).limit(limit)).all()
+    return [PendingLine(n, custom_id, url, orjson.loads(body)) for n, custom_id, url, body in rows]
+
+
+def record(session_factory: sessionmaker[Session], batch_id: uuid.UUID, line: PendingLine, *, state: LineState,
+           status_code: int, body: dict, usage: UsageRecord) -> bool:
+    """Answer one line: its result, its ledger row and the counters, together. False (and nothing written)
+    when it was answered already."""
+    assert state in (LineState.DONE, LineState.FAILED)
+    result = orjson.dumps(output_line(batch_id, line.line_no, line.custom_id, status_code, body)).decode()
+    with session_factory() as s, s.begin():
+        moved = s.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line_no == line.line_no,
+                                                  BatchLine.state == LineState.PENDING)
+                          .values(state=state, result=result, answered_at=datetime.now(timezone.utc))).rowcount
+        if not moved:
+            return False
+        insert_in(s, usage)
+        done = state == LineState.DONE
+        s.execute(update(Batch).where(Batch.id == batch_id).values(
+            completed=Batch.completed + int(done), failed=Batch.failed + int(not done),
+            prompt_tokens=Batch.prompt_tokens + usage.prompt_tokens,
+            completion_tokens=Batch.completion_tokens + usage.completion_tokens))
+    return True
+
+
+_SKIP_REASON = {
+    BatchStatus.CANCELLED: ("batch_cancelled", "This request was not run: the batch was cancelled."),
+    BatchStatus.EXPIRED: ("batch_expired", "This request could not be executed before the completion window expired."),
+}
+
+
+def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_id: uuid.UUID) -> BatchStatus:
+    """End the batch: unanswered lines are skipped (cancelled or expired), the output and error files are
+    written to the object store and the batch gets its final status, in one transaction. Idempotent."""
+    with session_factory() as s:
+        b = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+        if b.status in TERMINAL:
+            return b.status
+        unanswered = s.scalar(select(BatchLine.line_no).where(BatchLine.batch_id == batch_id,
+                                                              BatchLine.state == LineState.PENDING).limit(1))
+        final = _final_status(b, unanswered is not None)
+        now = datetime.now(timezone.utc)
+        if final in _SKIP_REASON:
+            code, message = _SKIP_REASON[final]
+            for line_no, custom_id in s.execute(select(BatchLine.line_no, BatchLine.custom_id).where(
+                    BatchLine.batch_id == batch_id, BatchLine.state == LineState.PENDING)).all():
+                s.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line_no == line_no).values(
+                    state=LineState.SKIPPED, answered_at=now,
+                    result=orjson.dumps(output_line(batch_id, line_no, custom_id, 0, None,
+                                                    {"code": code, "message": message})).decode()))
+        else:
+            assert unanswered is None, "a batch completes only when every line is answered"
+        b.finalizing_at = b.finalizing_at or now
+        b.output_file_id = _write_file(s, store, b, (LineState.DONE,), "output")
+        b.error_file_id = _write_file(s, store, b, (LineState.FAILED, LineState.SKIPPED), "errors")
+        b.status = final
+        setattr(b, {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at",
+                    BatchStatus.EXPIRED: "expired_at"}[final], now)
+        s.commit()
+        return final
+
+
+def _final_status(b: Batch, unanswered: bool) -> BatchStatus:
+    if b.status == BatchStatus.CANCELLING:
+        return BatchStatus.CANCELLED
+    if unanswered:
+        assert b.expires_at <= datetime.now(timezone.utc), "the runner stops early only on cancel or expiry"
+        return BatchStatus.EXPIRED
+    return BatchStatus.COMPLETED
+
+
+def _write_file(s: Session, store: ObjectStore, b: Batch, states: tuple[LineState, ...], kind: str) -> uuid.UUID | None:
+    """Stream the lines in `states`, in file order, into a JSONL object; None when there are none."""
+    n = 0
+    with tempfile.TemporaryDirectory(prefix="mplex-batch-out-") as tmp:
+        path = Path(tmp) / f"{kind}.jsonl"
+        with open(path, "wb") as out:
+            q = (select(BatchLine.result).where(BatchLine.batch_id == b.id, BatchLine.state.in_(states))
+                 .order_by(BatchLine.line_no).execution_options(yield_per=1000))
+            for result in s.scalars(q):
+                out.write(result.encode() + b"\n")
+                n += 1
+        if not n:
+            return None
+        row = put_path(store, s, tenant_id=b.tenant_id, path=path, filename=f"batch_{b.id.hex}_{kind}.jsonl",
+                       purpose=OUTPUT_PURPOSE, line_count=n)
+        return row.id
