@@ -146,35 +146,35 @@ def _too_large() -> PayloadTooLargeError:
 async def retrieve_file(file_id: str, request: Request, gw: GatewayDep):
     principal = await _key(request, gw)
 
-    def get() -> dict:
-        with gw.session_factory() as s:
-            return records.file_object(records.get_file(s, principal.tenant_id, file_id))
-
-    return await asyncio.to_thread(get)
+    return await _in_session(gw, lambda s: records.file_object(records.get_file(s, principal.tenant_id, file_id)))
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request, gw: GatewayDep):
     principal = await _key(request, gw)
 
-    def get() -> bytes:
-        with gw.session_factory() as s:
-            return records.read_file(store_of(gw), records.get_file(s, principal.tenant_id, file_id))
-
-    return Response(await asyncio.to_thread(get), media_type="application/jsonl")
+    body = await _in_session(gw, lambda s: records.read_file(store_of(gw), records.get_file(s, principal.tenant_id, file_id)))
+    return Response(body, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request, gw: GatewayDep):
     principal = await _key(request, gw)
 
-    def delete() -> dict:
-        with gw.session_factory() as s:
-            row = records.get_file(s, principal.tenant_id, file_id)
-            records.delete_file(store_of(gw), s, row)
-            return {"id": file_id, "object": "file", "deleted": True}
+    def delete(s) -> dict:
+        records.delete_file(store_of(gw), s, records.get_file(s, principal.tenant_id, file_id))
+        return {"id": file_id, "object": "file", "deleted": True}
 
-    return await asyncio.to_thread(delete)
+    return await _in_session(gw, delete)
+
+
+async def _in_session(gw, work):
+    """`work(session)` on a worker thread (the database calls block), in a session of its own."""
+    def run():
+        with gw.session_factory() as s:
+            return work(s)
+
+    return await asyncio.to_thread(run)
 
 
 # -- batches -----------------------------------------------------------------------------------------------
@@ -238,11 +238,7 @@ def _enqueue(public_id: str) -> None:
 async def retrieve_batch(batch_id: str, request: Request, gw: GatewayDep):
     principal = await _key(request, gw)
 
-    def get() -> dict:
-        with gw.session_factory() as s:
-            return records.batch_object(records.get_batch(s, principal.tenant_id, batch_id))
-
-    return await asyncio.to_thread(get)
+    return await _in_session(gw, lambda s: records.batch_object(records.get_batch(s, principal.tenant_id, batch_id)))
 
 
 @router.get("/v1/batches")
