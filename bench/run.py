@@ -5,7 +5,7 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["engine", "multi_lora", "fp8", "kv_fp8", "kv_swap", "gateway", "billing", "adapters", "isolation", "fairness"]
+BENCHMARKS = ["engine", "multi_lora", "fp8", "kv_fp8", "kv_swap", "gateway", "billing", "adapters", "isolation", "fairness", "serving"]
 
 
 def main(argv: list[str]) -> int:

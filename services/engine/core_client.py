@@ -195,7 +195,7 @@ class CoreClient:
     def _send(self, msg) -> None:
         if self._sock.closed:
             return  # closing down: the core drops this front-end's requests when it says Hello again
-        self._sock.send(encode(msg), copy=False)  # never blocks (no high-water mark): queued by ZMQ's I/O thread
+        self._sock.send(encode(msg))  # never blocks (no high-water mark): queued by ZMQ's I/O thread
 
     # -- the reader -----------------------------------------------------------------------------------
     async def _read(self) -> None:
@@ -207,7 +207,7 @@ class CoreClient:
     async def _read_loop(self) -> None:
         sock = self._sock
         while True:
-            msg = decode_to_frontend(await sock.recv(copy=False))
+            msg = decode_to_frontend(await sock.recv())
             if isinstance(msg, StepOutputs):
                 self._dispatch(msg.deltas)
             elif isinstance(msg, CallReply):

@@ -188,7 +188,7 @@ class EngineCore:
                 del owner[out.request_id]
             by_fe[fe].append(_delta(out))
         for fe, deltas in by_fe.items():
-            self.sock.send_multipart([fe, encode(StepOutputs(deltas))], copy=False)
+            self.sock.send_multipart([fe, encode(StepOutputs(deltas))])
 
 
 def _delta(out: RequestOutput) -> Delta:
