@@ -32,7 +32,7 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 N_BURST = int(os.environ.get("MPLEX_BENCH_SERVING_BURST", "256"))
 MAX_NEW = 64
 N_ADAPTERS, SLOTS, RANK = 256, 32, 8
-RATES = tuple(float(r) for r in os.environ.get("MPLEX_BENCH_SERVING_RATES", "4,8,16,24,32,48").split(","))
+RATES = tuple(float(r) for r in os.environ.get("MPLEX_BENCH_SERVING_RATES", "4,8,16,24,32,48,64,96").split(","))
 RAMP_SECONDS = float(os.environ.get("MPLEX_BENCH_SERVING_RAMP_S", "10"))
 SLO_TTFT, SLO_TPOT = 1.0, 0.050
 # vLLM's settings, reported in the results: fp32 like the engine, the same context, slots and adapter cache;
@@ -42,7 +42,8 @@ VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", 
              "--max-loras", str(SLOTS), "--max-lora-rank", str(RANK), "--max-cpu-loras", str(N_ADAPTERS)]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": VLLM_BIND}
 ENGINE_ARGS = ["--max-loras", str(SLOTS), "--max-cpu-loras", str(N_ADAPTERS), "--max-lora-rank", str(RANK),
-               "--kv-memory-mb", "1024", "--max-num-seqs", "256", "--max-batched-tokens", "2048"]
+               "--kv-memory-mb", "1024", "--max-num-seqs", "256", "--max-batched-tokens", "2048",
+               "--interactive-ttft-slo-s", "0"]  # no load shedding: vLLM has none, every request is served
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,8 @@ def _inproc(model: Path, adapters: list[Path]) -> dict:
     from services.engine.sequence import AdapterRef
 
     cfg = EngineConfig(model_dir=model, served_model_name="base", cache=CacheConfig(memory_bytes=1024 * 2**20),
-                       scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
+                       scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
+                                                 interactive_ttft_slo_s=None),
                        lora=LoraConfig(max_loras=SLOTS, max_cpu_loras=N_ADAPTERS, max_lora_rank=RANK))
     refs = {f"a{i:03d}": AdapterRef(content_id(p), f"a{i:03d}", str(p)) for i, p in enumerate(adapters)}
     engine = AsyncEngine(LLMEngine(cfg))

@@ -62,6 +62,10 @@ def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends:
     """Start the core and the front-ends and supervise them; returns the exit status."""
     from services.engine.core_process import run_core
 
+    # The core's OpenMP team must not spin on the cores between parallel regions: the spinning threads take the
+    # CPU the front-ends need to encode the step's outputs (measured: about twice the HTTP throughput on 2 cores,
+    # docs/engine.md). Spawned children inherit it; an operator's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = multiprocessing.get_context("spawn")
     run_dir = tempfile.mkdtemp(prefix="mplex-engine-")
     spec = _with_address(spec, f"ipc://{run_dir}/core.sock")
