@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from services.common.wire import InvalidRequest
+from services.common.wire import EngineFailed, InvalidRequest
 from services.engine.async_engine import EngineDead
 from services.engine.core_protocol import (
     Abort,
@@ -129,8 +129,11 @@ class CoreClient:
         if self.error is None:
             log.error("engine core is dead: %s", reason)
             self.error = EngineDead(f"engine core stopped: {reason}")
-        for req in self._requests.values():
-            req.queue.put_nowait(self.error)
+        lost = EngineFailed(f"the engine failed while serving this request: {reason}")
+        for req in self._requests.values():  # in the core's hands when it died: not retried elsewhere
+            if not req.done:
+                req.done = True
+                req.queue.put_nowait(lost)
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(self.error)

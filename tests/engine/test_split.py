@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from services.common.prompting import PromptBuilder
-from services.common.wire import EngineUnavailable, InvalidRequest
+from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
 from services.engine.core_client import CoreClient
 from services.engine.sequence import SamplingParams
 from tests.engine.conftest import collect, make_config, make_engine, split_engine
@@ -134,15 +134,17 @@ def test_a_core_that_dies_is_reported_dead_and_fails_its_streams(demo_kit, promp
             params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
             running = client.generate("r", prompts[0], params)
             await anext(running)
-            with pytest.raises(EngineUnavailable):
+            # In the core's hands when it died: EngineFailed (502, never retried elsewhere: it may be the poison).
+            with pytest.raises(EngineFailed):
                 await collect(client, "poison", [crash, *prompts[1]], params)
-            with pytest.raises(EngineUnavailable):
+            with pytest.raises(EngineFailed):
                 async for _ in running:
                     pass
             proc.join(10)
             assert proc.exitcode == 70 and not client.alive
-            with pytest.raises(EngineUnavailable):
+            with pytest.raises(EngineUnavailable) as late:  # after: this engine is dead, another may serve it
                 await anext(client.generate("late", prompts[0], params))
+            assert late.value.status == 503 and not isinstance(late.value, EngineFailed)
 
     asyncio.run(main())
 
