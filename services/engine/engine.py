@@ -72,8 +72,11 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None):
+    def __init__(self, config: EngineConfig, model=None, *, detokenize: bool = True):
         self.config = config
+        # False in a core process: its front-ends detokenize and match stop strings (core_client.py); the core
+        # stops a request on token ids only (EOS, stop_token_ids, length) or when a front-end says so.
+        self.detokenize = detokenize
         self._hits_reported = 0
         torch.manual_seed(config.seed)
         self.model = model or load_model(
@@ -176,9 +179,10 @@ class LLMEngine:
         if params.guide is not None:  # a schema the grammar engine refuses is this request's 400
             seq.matcher = self.grammars.matcher(params.guide)
         self._seqs[request_id] = seq
-        self._streams[request_id] = _Stream(
-            DecodeStream(self.tokenizer, params.skip_special_tokens), StopMatcher(params.stop)
-        )
+        if self.detokenize:
+            self._streams[request_id] = _Stream(
+                DecodeStream(self.tokenizer, params.skip_special_tokens), StopMatcher(params.stop)
+            )
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         return seq
@@ -190,40 +194,23 @@ class LLMEngine:
         return self._grammars
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if params.guide is not None:
-            Guide.parse(params.guide, "response_format")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        vocab = self.model.config.vocab_size
-        check_prompt_ids(prompt_token_ids, vocab)
-        params.check_for_model(vocab)
-        if n >= self.max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens.",
-                "messages", code="context_length_exceeded",
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion).",
-                "max_tokens", code="context_length_exceeded",
-            )
-        blocks = -(-(n + params.max_tokens) // self.kv.block_size)
-        if blocks > self.kv.pool.num_blocks:
-            raise InvalidRequest(
-                f"the request needs {blocks} KV blocks but this engine has {self.kv.pool.num_blocks}",
-                "max_tokens", code="context_length_exceeded",
-            )
+        validate_request(prompt_token_ids, params, vocab_size=self.model.config.vocab_size,
+                         max_model_len=self.max_model_len, block_size=self.kv.block_size,
+                         num_blocks=self.kv.pool.num_blocks)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks. Returns False if it was not running."""
-        seq = self._seqs.pop(request_id, None)
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request now and free its KV blocks. Returns False if it was not running. `reason` "stop": a
+        front-end matched one of its stop strings."""
+        seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        self._streams.pop(request_id, None)
-        self.scheduler.finish(seq, "abort")
-        self.metrics.count_finished("abort")
+        if reason == "stop":
+            self._finish(seq, "stop")
+        else:
+            self._seqs.pop(request_id)
+            self._streams.pop(request_id, None)
+            self.scheduler.finish(seq, "abort")
+            self.metrics.count_finished("abort")
         self._update_gauges()  # the step loop may go idle now and would leave the gauges stale
         return True
 
@@ -424,7 +411,7 @@ class LLMEngine:
         seq.last_token_time = now
         self.metrics.generation_tokens.inc()
         p = seq.params
-        stream = self._streams[seq.request_id]
+        stream = self._streams.get(seq.request_id)
         n_out = seq.num_output_tokens
         past_min = n_out >= p.min_tokens
         reason = None
@@ -440,13 +427,14 @@ class LLMEngine:
         elif (past_min and not p.ignore_eos and token in self.eos_token_ids) or grammar_done:
             reason = "stop"
         else:
-            text, stop_string = stream.stops.push(stream.decoder.push(token), check=past_min)
+            if stream is not None:
+                text, stop_string = stream.stops.push(stream.decoder.push(token), check=past_min)
             if stop_string:
                 reason = "stop"
             elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            if not stop_string:  # release held-back text: nothing more can complete a stop string
+            if stream is not None and not stop_string:  # release held-back text: nothing can complete a stop string
                 tail, stop_string = stream.stops.push(stream.decoder.flush(), check=past_min)
                 text += tail if stop_string else tail + stream.stops.flush()
             self._finish(seq, reason)
@@ -593,3 +581,33 @@ def _kernel_name(kernel) -> str:
 def adapter_error(exc: AdapterFormatError) -> InvalidRequest:
     return InvalidRequest(f"adapter refused: {exc.message}", "model", exc.code, status=400)
 
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                     block_size: int, num_blocks: int) -> None:
+    """The checks every request passes before it is queued: the engine's own, and a front-end's (which knows
+    these figures from the core's `EngineInfo`) so that a bad request never crosses to the core."""
+    if params.guide is not None:
+        Guide.parse(params.guide, "response_format")
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty", "prompt")
+    check_prompt_ids(prompt_token_ids, vocab_size)
+    params.check_for_model(vocab_size)
+    if n >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has {n} tokens.",
+            "messages", code="context_length_exceeded",
+        )
+    if n + params.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion).",
+            "max_tokens", code="context_length_exceeded",
+        )
+    blocks = -(-(n + params.max_tokens) // block_size)
+    if blocks > num_blocks:
+        raise InvalidRequest(
+            f"the request needs {blocks} KV blocks but this engine has {num_blocks}",
+            "max_tokens", code="context_length_exceeded",
+        )

@@ -77,7 +77,7 @@ def snapshot(engine, url: str, uptime: Uptime | None = None, engine_type: str | 
     )
 
 
-def _unload_retired(engine, content_id: str) -> None:
+def unload_retired(engine, content_id: str) -> None:
     from services.common.lora_format import AdapterFormatError
 
     try:
@@ -90,13 +90,14 @@ def _unload_retired(engine, content_id: str) -> None:
 async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event, engine_type: str | None = None) -> None:
     """Publish a snapshot every second until `stop`; deregister on the way out (drain)."""
     client = aioredis.from_url(redis_url)
-    engine_id = async_engine.engine.config.engine_id
-    uptime = await async_engine.call(Uptime.start)
+    engine_id = async_engine.info.engine_id
+    uptime = await async_engine.op("uptime")
     beats = 0
     try:
         while not stop.is_set():
             try:
-                snap = await async_engine.call(lambda e: snapshot(e, url, uptime, engine_type))
+                snap = EngineSnapshot.model_validate_json(
+                    await async_engine.op("registry_snapshot", url, uptime, engine_type))
                 async with client.pipeline(transaction=False) as pipe:
                     pipe.set(entry_key(engine_id), snap.encode(), ex=ENTRY_TTL_S)
                     pipe.sadd(REGISTRY_SET, engine_id)
@@ -109,7 +110,7 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
                     *_, retired = await pipe.execute()
                 resident = set(snap.adapters)
                 for cid in {r.decode() for r in retired} & resident:
-                    await async_engine.call(lambda e, c=cid: _unload_retired(e, c))
+                    await async_engine.op("retire_adapter", cid)
             except (RedisError, OSError) as exc:
                 log.warning("registry heartbeat failed: %s", exc)
             except Exception:  # never let the heartbeat kill the server; the entry just goes stale

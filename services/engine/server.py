@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage, check_wire_version
@@ -33,6 +34,7 @@ from services.common.prompting import PromptBuilder
 from services.common.streaming import ClosingStreamingResponse, unless_disconnected
 from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
 from services.engine.async_engine import AsyncEngine
+from services.engine.core_client import CoreClient
 from services.engine.engine import RequestOutput
 from services.engine.lora.sources import AdapterSources
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams
@@ -46,7 +48,7 @@ class LoadAdapterRequest(BaseModel):
     content_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
-def create_app(engine: AsyncEngine, *, engine_tokens: Sequence[str], registry_url: str | None = None,
+def create_app(engine: AsyncEngine | CoreClient, *, engine_tokens: Sequence[str], registry_url: str | None = None,
                advertise_url: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> FastAPI:
     """`engine_tokens`: the accepted platform credentials (services.common.internal_auth), required on every
@@ -109,20 +111,23 @@ def _install_error_handlers(app: FastAPI) -> None:
 class EngineServer:
     """What the endpoints share: the engine, its tokenizer, the adapters loaded by name, draining."""
 
-    def __init__(self, engine: AsyncEngine, *, registry_url: str | None, advertise_url: str | None):
-        self.engine = engine
-        self.core = core = engine.engine
-        self.builder = PromptBuilder(core.config.model_dir)
-        self.model_name = core.config.model_name
+    def __init__(self, engine: AsyncEngine | CoreClient, *, registry_url: str | None, advertise_url: str | None):
+        self.engine = engine  # in-process (AsyncEngine) or the core in another process (CoreClient): one surface
+        self.builder: PromptBuilder | None = None  # set when the engine is open (a core process says what it serves)
+        self.model_name = ""
         self.adapters_by_name: dict[str, AdapterRef] = {}
-        self.sources = AdapterSources.of(core.config.adapter_stores, core.adapters.cache_dir if core.adapters else None)
+        self.sources: AdapterSources | None = None
         self.registry_url, self.advertise_url = registry_url, advertise_url
         self.draining = False
         self.stop_heartbeat = asyncio.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        self.engine.start(asyncio.get_running_loop())
+        await self.engine.open()
+        info = self.engine.info
+        self.builder = PromptBuilder(Path(info.model_dir))
+        self.model_name = info.model_name
+        self.sources = AdapterSources.of(info.adapter_stores, Path(info.adapter_cache_dir) if info.adapter_cache_dir else None)
         beat = None
         if self.registry_url and self.advertise_url:
             from services.engine.registry import heartbeat
@@ -132,7 +137,7 @@ class EngineServer:
         self.stop_heartbeat.set()  # leave the registry first so the gateway stops routing here, then drain
         if beat is not None:
             await beat
-        self.engine.shutdown()
+        await self.engine.close()
 
     def refuse_if_draining(self) -> None:
         if self.draining:
@@ -156,7 +161,7 @@ class EngineServer:
         return {"draining": True, "in_flight": self.engine.num_in_flight}
 
     async def metrics(self):
-        return Response(generate_latest(self.core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.engine.op("metrics"), media_type=CONTENT_TYPE_LATEST)
 
     # -- adapters ---------------------------------------------------------------------------------------
     async def models(self):
@@ -167,7 +172,7 @@ class EngineServer:
 
     async def load_adapter(self, req: LoadAdapterRequest):
         """Load (validate + host-cache) an adapter and make it servable by name on this engine."""
-        if self.core.adapters is None:
+        if not self.engine.info.lora_enabled:
             raise InvalidRequest("this engine serves no adapters", "name", status=404)
         path = self.sources.confine(req.path, "path")  # a resolved local path, or a URL in the object store
         cid = req.content_id
@@ -175,19 +180,12 @@ class EngineServer:
             if "://" in path:
                 raise InvalidRequest("content_id is required for remote adapter URIs", "content_id")
             cid = await asyncio.to_thread(adapter_content_id, path)
-        ref = AdapterRef(cid, req.name, path)
-        weights = await asyncio.to_thread(self.core.adapters.load_sync, ref)
-        self.adapters_by_name[req.name] = ref
-        return {"name": req.name, "content_id": cid, "rank": weights.max_rank,
-                "target_modules": weights.target_modules, "bytes": weights.nbytes}
+        loaded = await self.engine.op("load_adapter", cid, req.name, path)
+        self.adapters_by_name[req.name] = AdapterRef(cid, req.name, path)
+        return {"name": req.name, "content_id": cid, **loaded}
 
     async def list_adapters(self):
-        def view(e):
-            a = e.adapters
-            slots = a.slot_owners() if a else []
-            return {"host": [w.content_id for w in (a.resident() if a else [])], "slots": slots}
-
-        state = await self.engine.call(view)
+        state = await self.engine.op("adapter_state")
         return {
             "data": [{"name": n, "content_id": r.content_id, "host_resident": r.content_id in state["host"],
                       "slot": state["slots"].index(r.content_id) if r.content_id in state["slots"] else None}
@@ -199,7 +197,7 @@ class EngineServer:
         ref = self.adapters_by_name.get(name)
         if ref is None:
             raise InvalidRequest(f"adapter {name!r} is not loaded", "name", "not_found", status=404)
-        await self.engine.call(lambda e: e.adapters.unload(ref.content_id))
+        await self.engine.op("unload_adapter", ref.content_id)
         self.adapters_by_name.pop(name, None)
         return {"name": name, "unloaded": True}
 
@@ -215,9 +213,9 @@ class EngineServer:
         adapter = self.adapters_by_name.get(req.model)
         if req.model != self.model_name and adapter is None:
             raise InvalidRequest(f"The model `{req.model}` does not exist.", "model", "model_not_found", status=404)
-        plan = await plan_request_async(kind, req, self.builder, self.core.max_model_len)
+        plan = await plan_request_async(kind, req, self.builder, self.engine.info.max_model_len)
         for job in plan.jobs:
-            self.core.validate(job.prompt_ids, job.params)
+            self.engine.validate(job.prompt_ids, job.params)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         streams = [self._choice(f"{rid}-{j.index}", j.index, j.prompt_ids, j.params, req.priority_class, adapter)
@@ -234,7 +232,7 @@ class EngineServer:
                 adapter: AdapterRef | None) -> ChoiceStream:
         async def gen():
             async for out in self.engine.generate(rid, prompt, params, priority=priority, adapter=adapter):
-                delta = Delta(index, out.new_text, out.new_token_ids, _logprob_items(self.core, out), out.finish_reason)
+                delta = Delta(index, out.new_text, out.new_token_ids, _logprob_items(self.engine.tokenizer, out), out.finish_reason)
                 yield delta, (_usage(out) if out.finished else None)
 
         return gen()
@@ -245,7 +243,7 @@ class EngineServer:
         self.refuse_if_draining()
         uri = self.sources.confine(req.adapter.uri, "adapter.uri") if req.adapter and req.adapter.uri else None
         adapter = AdapterRef(req.adapter.content_id, req.adapter.name, uri) if req.adapter else None
-        self.core.validate(req.prompt_token_ids, req.sampling)
+        self.engine.validate(req.prompt_token_ids, req.sampling)
         outputs = self.engine.generate(
             req.request_id, req.prompt_token_ids, req.sampling,
             priority=Priority.parse(req.priority), cache_salt=req.cache_salt, adapter=adapter,
@@ -257,7 +255,7 @@ class EngineServer:
         first = await _first(outputs)  # errors before the first token become a proper HTTP error
         headers = {"x-request-id": req.request_id}
         if first is not None and first.clamped_from is not None:
-            headers[CLAMPED_HEADER] = str(self.core.config.scheduler.batch_max_tokens_under_overload)
+            headers[CLAMPED_HEADER] = str(self.engine.info.clamp_tokens)
         return ClosingStreamingResponse(self._lines(first, outputs, ids), media_type="application/x-ndjson",
                                         headers=headers)
 
@@ -284,15 +282,14 @@ class EngineServer:
                                                 "cached_tokens": out.num_cached_tokens})
             usage = StreamUsage(prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
                                 completion_tokens=out.num_output_tokens, compute_seconds=out.compute_seconds,
-                                engine_id=self.core.config.engine_id)
-        return StreamItem(text=out.new_text, token_ids=out.new_token_ids, logprobs=_logprob_items(self.core, out),
+                                engine_id=self.engine.info.engine_id)
+        return StreamItem(text=out.new_text, token_ids=out.new_token_ids, logprobs=_logprob_items(self.engine.tokenizer, out),
                           finish_reason=out.finish_reason, usage=usage)
 
 
-def _logprob_items(engine, out: RequestOutput) -> list[dict[str, Any]] | None:
+def _logprob_items(tok, out: RequestOutput) -> list[dict[str, Any]] | None:
     if out.logprobs is None:
         return None
-    tok = engine.tokenizer
     return [
         {
             "token": tok.token_text(lp.token_id),

@@ -20,7 +20,7 @@ import orjson
 
 from services.common.openai_protocol import Delta, Usage
 from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
-from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineUnavailable
+from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineFailed, EngineUnavailable
 from services.gateway.router import EngineInfo, Router
 
 log = logging.getLogger("mplex.gateway.upstream")
@@ -173,6 +173,9 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientR
             if line:
                 item = _decode(engine, line)
                 if item.error is not None:
+                    if item.fault == FAULT_ENGINE and item.error.code == EngineFailed.CODE:
+                        router.failed(engine.id)
+                        raise EngineLost(f"engine {engine.id} failed mid-stream")
                     item.raise_error()
                 result.delivered_tokens += len(item.token_ids)
                 if result.first_token_at is None and item.token_ids:
@@ -224,8 +227,10 @@ async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, 
             except orjson.JSONDecodeError:
                 err = {"error": {"message": raw[:200].decode(errors="replace")}}
             fault = resp.headers.get(FAULT_HEADER)
+            code = (err.get("error") or {}).get("code") if isinstance(err, dict) else None
+            if fault == FAULT_ENGINE and code == EngineFailed.CODE:  # it died holding the request: as a reset
+                raise EngineLost(f"engine {engine.id} failed while holding the request")
             if fault == FAULT_ENGINE or (fault is None and resp.status == 503):
-                code = (err.get("error") or {}).get("code") if isinstance(err, dict) else None
                 # A dead engine counts against its breaker; draining or overloaded ones are healthy.
                 retry = resp.headers.get("retry-after")
                 raise _TryNext(f"engine {engine.id} answered {resp.status} ({code})", code in (None, "engine_unavailable"),

@@ -1,14 +1,23 @@
 """Engine test factories: tiny random checkpoints (seconds), the trained demo kit (cached), engines."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing
+import tempfile
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
-from services.engine.engine import LLMEngine
+from services.engine.core_client import CoreClient
+from services.engine.core_process import run_core
+from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.sequence import Priority
 
 
@@ -19,7 +28,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_random(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0, max_position_embeddings=256)
 
 
-def make_engine(
+def make_engine(model_dir: Path, **kw) -> LLMEngine:
+    torch.set_num_threads(2)
+    return LLMEngine(make_config(model_dir, **kw))
+
+
+def make_config(
     model_dir: Path,
     *,
     block_size: int = 16,
@@ -39,22 +53,69 @@ def make_engine(
     preemption_mode: str = "auto",
     prompt_sharing: bool = True,
     kv_dtype: str = "auto",
-) -> LLMEngine:
-    torch.set_num_threads(2)
-    return LLMEngine(
-        EngineConfig(
-            model_dir=model_dir,
-            dtype=dtype,
-            weight_dtype=weight_dtype,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,
-                              swap_space_bytes=swap_space_bytes, preemption_mode=preemption_mode,
-                              enable_prompt_sharing=prompt_sharing, kv_dtype=kv_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
-            lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-                            cpu_kernel=lora_kernel),
-            cpu_attention=cpu_attention,
-        )
+    failpoints: tuple[tuple[str, int], ...] = (),
+) -> EngineConfig:
+    return EngineConfig(
+        model_dir=model_dir,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,
+                          swap_space_bytes=swap_space_bytes, preemption_mode=preemption_mode,
+                          enable_prompt_sharing=prompt_sharing, kv_dtype=kv_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+                        cpu_kernel=lora_kernel),
+        cpu_attention=cpu_attention,
+        failpoints=failpoints,
     )
+
+
+@contextlib.asynccontextmanager
+async def split_engine(config: EngineConfig, frontend: str = "test-frontend") -> AsyncIterator[tuple[CoreClient, Any]]:
+    """The engine as `mplex engine serve` runs it: a core process (spawned, as the launcher does) and a
+    `CoreClient` in this process as its front-end. Yields (client, core process)."""
+    ctx = multiprocessing.get_context("spawn")
+    address = f"ipc://{tempfile.mkdtemp(prefix='mplex-core-')}/core.sock"
+    proc = ctx.Process(target=run_core, args=(config, address, 2, "warning"), name="engine-core")
+    proc.start()
+    client = CoreClient(address, frontend)
+    try:
+        await client.open(timeout=120)
+        yield client, proc
+    finally:
+        await client.close()
+        proc.terminate()
+        proc.join(15)
+        if proc.is_alive():
+            proc.kill()
+
+
+async def collect(client: CoreClient, rid: str, prompt: list[int], params, **kw) -> RequestOutput:
+    """Run one request on the split path; returns its tokens and text joined into one output."""
+    tokens, text, last = [], "", None
+    async for out in client.generate(rid, prompt, params, **kw):
+        tokens += out.new_token_ids
+        text += out.new_text
+        last = out
+    assert last is not None
+    return dataclasses.replace(last, new_token_ids=tokens, new_text=text)
+
+
+def run_all_split(config: EngineConfig, requests: list[dict], counters: dict | None = None) -> dict[str, list[int]]:
+    """`run_all` on the split path: every request at once through a core process; the core's state is
+    checked (check_integrity, nothing in flight) at the end, and its `counters` op copied into `counters`."""
+    async def main():
+        async with split_engine(config) as (client, _):
+            outs = await asyncio.gather(*(
+                collect(client, r["id"], r["prompt"], r["params"], adapter=r.get("adapter"),
+                        cache_salt=r.get("salt", ""), priority=r.get("priority", Priority.INTERACTIVE))
+                for r in requests))
+            assert await client.op("check_integrity") and await client.op("num_in_flight") == 0
+            if counters is not None:
+                counters.update(await client.op("counters"))
+            return {r["id"]: o.new_token_ids for r, o in zip(requests, outs)}
+
+    return asyncio.run(main())
 
 
 def record_swaps(engine: LLMEngine) -> list[tuple[str, int, int]]:

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from services.common.lora_format import content_id
 from services.common.prompting import PromptBuilder
+from services.engine.config import EngineConfig
 from services.engine.sequence import AdapterRef, InvalidRequest, SamplingParams
-from tests.engine.conftest import make_engine, record_swaps, run_all
+from tests.engine.conftest import make_config, make_engine, record_swaps, run_all, run_all_split
 from tests.engine.oracle import TieLog, hf_greedy
 
 MAX_NEW = 24
@@ -105,8 +106,10 @@ def _requests(workload, refs_of, prefix="r"):
             for i, (a, p) in enumerate(workload)]
 
 
-def _check(name, engine, workload, refs_of, peft_refs):
-    out = run_all(engine, _requests(workload, refs_of))
+def _check(name, engine, workload, refs_of, peft_refs, counters=None):
+    """`engine`: an LLMEngine, or an EngineConfig served as `serve` does (a core process and a front-end)."""
+    requests = _requests(workload, refs_of)
+    out = run_all(engine, requests) if not isinstance(engine, EngineConfig) else run_all_split(engine, requests, counters)
     log = TieLog(name)
     for i, ref in enumerate(peft_refs):
         log.check(f"r{i}:{workload[i][0]}", out[f"r{i}"], ref)
@@ -124,6 +127,16 @@ def test_sixteen_plus_adapters_in_one_batch_match_peft(demo_kit, workload, refs_
     assert engine.adapters.cpu_kernel == kernel
     _check(f"lora-batch-{kernel}", engine, workload, refs_of, peft_refs)
     assert len(distinct) >= 16
+
+
+def test_split_path_more_adapters_than_slots_match_peft(demo_kit, workload, refs_of, peft_refs):
+    """The same, with the adapters named by path in each request, through a core process."""
+    need = max(len(p) + MAX_NEW for _, p in workload)
+    core = {}
+    _check("lora-split", make_config(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
+                                     num_blocks=need // 4 + 30, preemption_mode="recompute"),
+           workload, refs_of, peft_refs, counters=core)
+    assert core["preemptions"] > 0
 
 
 @KERNELS

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from services.common.prompting import PromptBuilder
+from services.engine.engine import LLMEngine
 from services.engine.sequence import SamplingParams
-from tests.engine.conftest import make_engine, record_swaps, run_all
+from tests.engine.conftest import make_config, make_engine, record_swaps, run_all, run_all_split
 from tests.engine.oracle import TIE_GAP, TieLog, hf_greedy
 
 MAX_NEW = 40
@@ -60,8 +61,10 @@ def _requests(prompts, prefix="r"):
     return [{"id": f"{prefix}{i}", "prompt": p, "params": params} for i, p in enumerate(prompts)]
 
 
-def _check(name, engine, prompts, references, prefix="r"):
-    out = run_all(engine, _requests(prompts, prefix))
+def _check(name, engine, prompts, references, prefix="r", counters=None):
+    """`engine`: an LLMEngine (stepped here), or an EngineConfig to serve as `serve` does, in a core process."""
+    requests = _requests(prompts, prefix)
+    out = run_all(engine, requests) if isinstance(engine, LLMEngine) else run_all_split(engine, requests, counters)
     log = TieLog(name)
     for i, ref in enumerate(references):
         log.check(f"{prefix}{i}", out[f"{prefix}{i}"], ref)
@@ -193,3 +196,26 @@ def test_greedy_constrained_is_the_oracle_argmax_over_the_legal_tokens(demo_kit,
                 assert tok == int(logits[k].argmax())
             assert matcher.accept_token(tok)
     assert legal_free_argmax > 20, "no step where the unconstrained argmax was legal: the check said nothing"
+
+
+# -- the same oracle on the split path: a core process and its front-end, as `mplex engine serve` runs --------
+def test_split_path_one_continuous_batch(demo_kit, prompts, references):
+    core = {}
+    _check("split-batch", make_config(demo_kit.base_dir), prompts, references, counters=core)
+    assert core["steps"] < sum(len(r.tokens) for r in references)  # batched in the core, not one by one
+
+
+def test_split_path_swap_from_a_tiny_kv_pool(demo_kit, prompts, references):
+    need = max(len(p) + MAX_NEW for p in prompts)
+    core = {}
+    _check("split-swap", make_config(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 12, budget=32,
+                                     preemption_mode="swap"), prompts, references, counters=core)
+    assert core["preemptions"] > 0 and core["swap_out_blocks"] > 0 and core["kv_used"] == 0
+
+
+def test_split_path_recompute_from_a_tiny_kv_pool(demo_kit, prompts, references):
+    need = max(len(p) + MAX_NEW for p in prompts)
+    core = {}
+    _check("split-preempt", make_config(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 12, budget=64,
+                                        preemption_mode="recompute"), prompts, references, counters=core)
+    assert core["preemptions"] > 0 and core["swap_out_blocks"] == 0

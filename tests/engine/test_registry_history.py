@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import orjson
 
 from services.engine import registry
+from services.engine.core_ops import OPS
 
 
 class StubEngine:
@@ -23,12 +24,15 @@ class StubEngine:
 
 
 class StubAsyncEngine:
+    """The front-end's surface (AsyncEngine or CoreClient): the heartbeat runs named core operations."""
+
     def __init__(self):
         self.engine = StubEngine()
+        self.info = SimpleNamespace(engine_id=self.engine.config.engine_id)
 
-    async def call(self, fn):
+    async def op(self, name, *args):
         self.engine.stats.tokens += 10  # ten tokens per beat
-        return fn(self.engine)
+        return OPS[name](self.engine, *args)
 
 
 def test_heartbeat_keeps_a_capped_history_and_drops_it_on_drain(service_urls, redis_client, monkeypatch):

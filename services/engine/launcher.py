@@ -1,0 +1,130 @@
+"""`mplex engine serve` as processes: one engine core and N HTTP front-ends, under a small supervisor.
+
+    launcher (this process: supervises, holds nothing)
+      ├─ engine core   scheduler, KV, adapters, model, sampler; torch's thread team
+      └─ front-end ×N  uvicorn + FastAPI on one shared listening socket: HTTP, tokenize, detokenize,
+                       stop strings, NDJSON/SSE; one asyncio thread each
+
+A front-end that dies is started again; the core drops its requests when the new one says `Hello` and goes
+on serving the others. A core that dies is reported by every front-end at once (`/health` says `dead`, its
+streams end with an engine fault) and the launcher then stops the front-ends and exits non-zero, so that
+whatever runs it (`make up`'s supervisor, Kubernetes) starts a fresh engine. Children die with the launcher
+(PR_SET_PDEATHSIG): a SIGKILLed engine leaves no orphan holding its port.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("mplex.engine.launcher")
+
+@dataclass(frozen=True, slots=True)
+class FrontendSpec:
+    """What each front-end process is built from (picklable: it crosses a spawn)."""
+
+    address: str
+    engine_tokens: tuple[str, ...]
+    registry_url: str | None  # only front-end 0 heartbeats: one registry entry per engine
+    advertise_url: str
+    max_body_bytes: int
+    max_header_bytes: int
+    uvicorn: dict[str, Any]  # uvicorn.Config options (the HTTP protocol class is made in the front-end)
+    log_level: str
+
+
+def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
+    from services.engine.core_process import die_with_parent
+
+    die_with_parent()
+    import uvicorn
+
+    from services.common.http_limits import http_protocol
+    from services.common.logging import configure
+    from services.engine.core_client import CoreClient
+    from services.engine.server import create_app
+
+    log_config = configure("engine", spec.log_level)
+    app = create_app(CoreClient(spec.address, f"frontend-{index}"), engine_tokens=spec.engine_tokens,
+                     registry_url=spec.registry_url if index == 0 else None, advertise_url=spec.advertise_url,
+                     max_body_bytes=spec.max_body_bytes, max_header_bytes=spec.max_header_bytes)
+    config = uvicorn.Config(app, log_config=log_config, http=http_protocol(spec.max_header_bytes), **spec.uvicorn)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends: int, core_threads: int) -> int:
+    """Start the core and the front-ends and supervise them; returns the exit status."""
+    from services.engine.core_process import run_core
+
+    # The core's OpenMP team must not spin on the cores between parallel regions: the spinning threads take the
+    # CPU the front-ends need to encode the step's outputs (measured: about twice the HTTP throughput on 2 cores,
+    # docs/engine.md). Spawned children inherit it; an operator's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    ctx = multiprocessing.get_context("spawn")
+    run_dir = tempfile.mkdtemp(prefix="mplex-engine-")
+    spec = _with_address(spec, f"ipc://{run_dir}/core.sock")
+    core = ctx.Process(target=run_core, args=(engine_config, spec.address, core_threads, spec.log_level),
+                       name="engine-core", daemon=False)
+    core.start()
+    sock = _listen(host, port)
+
+    def start(i: int):
+        p = ctx.Process(target=run_frontend, args=(i, spec, sock), name=f"engine-frontend-{i}", daemon=False)
+        p.start()
+        return p
+
+    procs = [start(i) for i in range(frontends)]
+    log.info("engine core pid %d, front-ends %s on %s:%d", core.pid, [p.pid for p in procs], host, port)
+    return _supervise(core, procs, start)
+
+
+def _supervise(core, procs: list, start) -> int:
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: stopping.append(s))
+    status = 0
+    while not stopping:
+        ready = multiprocessing.connection.wait([core.sentinel, *(p.sentinel for p in procs)], timeout=0.5)
+        if core.sentinel in ready:
+            log.error("engine core exited (%s): stopping the front-ends", core.exitcode)
+            status = 1
+            break
+        for i, p in enumerate(procs):
+            if p.sentinel in ready and not stopping:
+                log.error("front-end %d exited (%s): starting it again; the core goes on", i, p.exitcode)
+                procs[i] = start(i)
+    for p in procs:  # front-ends first: they leave the registry and finish their streams
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(40)
+        if p.is_alive():
+            p.kill()
+    if core.is_alive():
+        core.terminate()
+        core.join(15)
+        if core.is_alive():
+            core.kill()
+    return status
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _with_address(spec: FrontendSpec, address: str) -> FrontendSpec:
+    from dataclasses import replace
+
+    return replace(spec, address=address)

@@ -1,0 +1,207 @@
+"""The engine split as `mplex engine serve` runs it: a core process and front-ends over ZMQ.
+
+Text is made on the front-end from token ids: it must be the in-process engine's text exactly (stop strings,
+held-back text, finish reasons). A client that goes away frees its KV in the core at once; a front-end that
+dies and comes back costs the core its requests, never itself; a core that dies is seen by its front-ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from services.common.prompting import PromptBuilder
+from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
+from services.engine.core_client import CoreClient
+from services.engine.sequence import SamplingParams
+from tests.engine.conftest import collect, make_config, make_engine, split_engine
+
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_kit) -> list[list[int]]:
+    b = PromptBuilder(demo_kit.base_dir)
+    qs = ["What is the capital of France?", "Hello", "What is 2 plus 3?", "Repeat: red blue green",
+          "Name three colours.", "Count to five."]
+    return [b.chat_ids([{"role": "user", "content": q}]) for q in qs]
+
+
+def _in_process(engine, rid, prompt, params):
+    engine.add_request(rid, prompt, params)
+    tokens, text, reason = [], "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            text += o.new_text
+            reason = o.finish_reason or reason
+    return tokens, text, reason
+
+
+def test_text_stops_and_finish_reasons_are_the_in_process_ones(demo_kit, prompts):
+    """Stop strings taken from the middle of each answer (so they really fire), a stop string that never
+    occurs, min_tokens holding stops back, and EOS: token ids, text and finish reason are identical."""
+    engine = make_engine(demo_kit.base_dir)
+    free = SamplingParams(max_tokens=32, temperature=0)
+    cases = []
+    for i, p in enumerate(prompts):
+        _, text, _ = _in_process(engine, f"free{i}", p, free)
+        words = text.split()
+        stop = words[len(words) // 2][:3] if len(words) > 1 else "zzz"
+        cases += [(p, SamplingParams(max_tokens=32, temperature=0, stop=(stop, "never-said"))),
+                  (p, SamplingParams(max_tokens=32, temperature=0, stop=(stop,), min_tokens=6)),
+                  (p, SamplingParams(max_tokens=48, temperature=0, logprobs=2))]
+    expected = [_in_process(engine, f"x{i}", p, params) for i, (p, params) in enumerate(cases)]
+    assert any(r == "stop" for _, _, r in expected) and any(t for _, t, _ in expected)
+
+    async def main():
+        async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
+            outs = await asyncio.gather(*(collect(client, f"s{i}", p, params) for i, (p, params) in enumerate(cases)))
+            assert await client.op("num_in_flight") == 0 and await client.op("check_integrity")
+            return outs
+
+    for (tokens, text, reason), out in zip(expected, asyncio.run(main())):
+        assert (out.new_token_ids, out.new_text, out.finish_reason) == (tokens, text, reason)
+
+
+def test_a_client_that_goes_away_frees_its_kv_in_the_core_at_once(demo_kit, prompts):
+    async def main():
+        async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
+            long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+            streams = [client.generate(f"g{i}", p, long) for i, p in enumerate(prompts)]
+            for s in streams:
+                await anext(s)
+            assert (await client.op("counters"))["kv_used"] > 0
+            for s in streams:
+                await s.aclose()  # what the HTTP server does when the client disconnects
+            for _ in range(100):
+                c = await client.op("counters")
+                if c["kv_used"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert c["kv_used"] == 0 and c["running"] == 0 and await client.op("check_integrity")
+
+    asyncio.run(main())
+
+
+def test_a_bad_request_is_refused_by_the_front_end_and_the_core_keeps_serving(demo_kit, prompts):
+    async def main():
+        async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
+            with pytest.raises(InvalidRequest) as exc:
+                await anext(client.generate("bad", [10**9], SamplingParams(max_tokens=4)))
+            assert exc.value.param
+            out = await collect(client, "good", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert len(out.new_token_ids) == 4
+
+    asyncio.run(main())
+
+
+def test_a_front_end_that_dies_costs_the_core_its_requests_only(demo_kit, prompts):
+    """A second front-end streams while the first one 'dies' (its socket closes mid-stream, nothing sent) and
+    comes back under the same identity: the core drops the dead one's requests and serves both."""
+    async def main():
+        async with split_engine(make_config(demo_kit.base_dir), frontend="fe-0") as (first, _):
+            other = CoreClient(first.address, "fe-1")
+            await other.open()
+            params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            doomed = [first.generate(f"d{i}", p, params) for i, p in enumerate(prompts)]
+            for s in doomed:
+                await anext(s)
+            survivor = asyncio.create_task(collect(other, "alive", prompts[0], SamplingParams(
+                max_tokens=60, temperature=0, ignore_eos=True)))
+            first._sock.close(linger=0)  # dies: no aborts sent
+            reborn = CoreClient(first.address, "fe-0")
+            await reborn.open()  # Hello: the core forgets fe-0's old requests
+            assert len((await survivor).new_token_ids) == 60
+            c = await reborn.op("counters")
+            assert c["running"] == 0 and c["kv_used"] == 0 and await reborn.op("check_integrity")
+            again = await collect(reborn, "after", prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
+            assert len(again.new_token_ids) == 8
+            await other.close()
+            await reborn.close()
+
+    asyncio.run(main())
+
+
+def test_a_core_that_dies_is_reported_dead_and_fails_its_streams(demo_kit, prompts):
+    crash = next(t for t in range(3, 1000) if all(t not in p for p in prompts))  # in no other prompt
+
+    async def main():
+        # A prompt holding `crash` kills the core as a segfault in a native kernel would (os._exit, no reply).
+        config = make_config(demo_kit.base_dir, failpoints=(("crash", crash),))
+        async with split_engine(config) as (client, proc):
+            params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+            running = client.generate("r", prompts[0], params)
+            await anext(running)
+            # In the core's hands when it died: EngineFailed (502, never retried elsewhere: it may be the poison).
+            with pytest.raises(EngineFailed):
+                await collect(client, "poison", [crash, *prompts[1]], params)
+            with pytest.raises(EngineFailed):
+                async for _ in running:
+                    pass
+            proc.join(10)
+            assert proc.exitcode == 70 and not client.alive
+            with pytest.raises(EngineUnavailable) as late:  # after: this engine is dead, another may serve it
+                await anext(client.generate("late", prompts[0], params))
+            assert late.value.status == 503 and not isinstance(late.value, EngineFailed)
+
+    asyncio.run(main())
+
+
+def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp_path):
+    """`mplex engine serve`: SIGKILL the front-end -- a new one serves, the core is the same process; SIGKILL
+    the core -- the launcher exits non-zero (its supervisor starts a fresh engine)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "engine.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "serve", "--model", str(demo_kit.base_dir),
+                             "--port", str(port), "--kv-memory-mb", "32"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}/health"
+
+    def wait_ok(timeout=120):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("engine never became healthy")
+
+    try:
+        wait_ok()
+        core, frontend = _pids(tmp_path / "engine.log")
+        os.kill(frontend, signal.SIGKILL)
+        time.sleep(0.5)
+        wait_ok()
+        assert _parent(core) == proc.pid  # the same core serves the new front-end
+        os.kill(core, signal.SIGKILL)
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _pids(log) -> tuple[int, int]:
+    import re
+
+    m = re.search(r"engine core pid (\d+), front-ends \[(\d+)\]", log.read_text())
+    assert m, log.read_text()[-3000:]
+    return int(m[1]), int(m[2])
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
