@@ -95,6 +95,9 @@ def record(session_factory: sessionmaker[Session], batch_id: uuid.UUID, line: Pe
     assert state in (LineState.DONE, LineState.FAILED)
     result = orjson.dumps(output_line(batch_id, line.line_no, line.custom_id, status_code, body)).decode()
     with session_factory() as s, s.begin():
+        # The batch row first, as `finalize` takes it: the other order deadlocked a record still running on
+        # its thread when a cancel's finalize began (an asyncio task's cancel does not stop its thread).
+        s.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
         moved = s.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line_no == line.line_no,
                                                   BatchLine.state == LineState.PENDING)
                           .values(state=state, result=result, answered_at=datetime.now(timezone.utc))).rowcount

@@ -64,8 +64,21 @@ async def _run(batch_id: uuid.UUID, settings) -> str:
         log.info("batch %s %s", batch_id, final)
         return str(final)
     finally:
-        lock_conn.close()  # releases the runner lock
+        _release(lock_conn, batch_id)
         await gw.aclose()
+        gw.session_factory.kw["bind"].dispose()  # this run's pool: one per run, or they pile up in a worker
+
+
+def _release(lock_conn, batch_id: uuid.UUID) -> None:
+    """Give the runner lock back. Closing the connection alone does not: it returns to the pool still holding
+    the session's advisory lock, and a retry of this very run then finds the batch "running elsewhere"."""
+    try:
+        checkpoint.unlock(lock_conn, batch_id)
+    except Exception:  # a broken connection: dropping it ends its session, and the lock with it
+        log.warning("batch %s: could not release the runner lock; dropping its connection", batch_id, exc_info=True)
+        lock_conn.invalidate()
+    finally:
+        lock_conn.close()
 
 
 def _principal(gw: Gateway, info: BatchInfo) -> BatchPrincipal:

@@ -133,7 +133,7 @@ resource "kubernetes_stateful_set_v1" "engine" {
           image_pull_policy = "Always"
           # `serve` runs the engine core and its HTTP front-end(s) as children of one launcher (docs/engine.md,
           # "Processes"); their ZMQ socket lives under /tmp (the scratch volume). The container ends when the core does.
-          command           = ["mplex", "engine", "serve", "--model", "/models/base", "--host", "0.0.0.0", "--port", "8100"]
+          command = ["mplex", "engine", "serve", "--model", "/models/base", "--host", "0.0.0.0", "--port", "8100"]
           args = concat(
             ["--served-model-name", var.engine.served_model_name, "--engine-id", "$(POD_NAME)"],
             var.engine.extra_args,
