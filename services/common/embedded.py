@@ -9,6 +9,8 @@ stops them unconditionally. Both listen on 127.0.0.1 only, without passwords: th
 """
 from __future__ import annotations
 
+import abc
+
 import fcntl
 import importlib.util
 import os
@@ -135,7 +137,7 @@ def state_lock(state_dir: Path) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------- PostgreSQL
 
 
-class _EmbeddedServer:
+class _EmbeddedServer(abc.ABC):
     """What both embedded servers share: a state directory, a port kept in a file (reused across restarts, so
     URLs handed out stay valid), a pid, and start/stop under the directory's lock. Subclasses say where the
     port and pid live, how to tell the server answers, and how to start and stop it."""
@@ -147,11 +149,13 @@ class _EmbeddedServer:
     def port(self) -> int | None:
         return _read_int(self.port_file)
 
+    @abc.abstractmethod
     def pid(self) -> int | None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _answers(self) -> bool:
-        raise NotImplementedError
+        ...
 
     def is_running(self) -> bool:
         pid = self.pid()
@@ -166,15 +170,18 @@ class _EmbeddedServer:
         with state_lock(self.state_dir):
             self.stop_locked()
 
+    @abc.abstractmethod
     def url(self) -> str:
-        raise NotImplementedError
+        ...
 
     # -- the caller holds state_lock ------------------------------------------------------------------
+    @abc.abstractmethod
     def ensure_running_locked(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def stop_locked(self) -> None:
-        raise NotImplementedError
+        ...
 
     def _port_for(self, attempt: int) -> int:
         """The kept port, or a new free one (kept from now on) when it is taken or a start on it failed."""
