@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.engine.class_yield import computes_interactive_prompt
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import Admission, Tenants, WaitQueue
 from services.engine.forks import WAIT, PromptGroups
@@ -182,6 +183,8 @@ class Scheduler:
         if self.draining_slot is not None and not any(s.lora_slot == self.draining_slot for s in self.running):
             self.draining_slot = None  # drained: it is idle now, and the oldest waiting requests get it first
         for priority in Priority:
+            if priority is not Priority.INTERACTIVE and computes_interactive_prompt(plan):
+                break  # a lean step for an interactive first token; lower classes go next step (class_yield.py)
             pending: dict[str, list[Sequence]] = {}
             for seq in prefills:
                 if seq.priority == priority:
