@@ -40,12 +40,24 @@ class Pacer:
     def __init__(self, config: PacingConfig):
         self.config = config
         self.limit = 1
+        self._seen: tuple | None = None  # the heartbeats the last decision was made on
+        self._last = PaceDecision(1, False, "idle capacity")
 
     def decide(self, engines: list[EngineSnapshot], in_flight: int) -> PaceDecision:
-        """`engines`: the live engines of the batch's base model; `in_flight`: this batch's lines running."""
+        """`engines`: the live engines of the batch's base model; `in_flight`: this batch's lines running.
+        One step of the AIMD per new heartbeat: the runner asks several times a second, the engines report
+        once a second, and halving again on the same figures (or growing on them) would act on nothing new."""
         if not engines:
-            self.limit = 0
+            self.limit, self._seen = 0, None
             return PaceDecision(0, True, "no engine serves the model")
+        seen = tuple(sorted((e.id, e.ts) for e in engines))
+        if seen == self._seen and all(e.ts is not None for e in engines):
+            return self._last
+        self._seen = seen
+        self._last = self._step(engines, in_flight)
+        return self._last
+
+    def _step(self, engines: list[EngineSnapshot], in_flight: int) -> PaceDecision:
         cap = self.config.max_in_flight_per_engine * len(engines)
         interactive = max(0, sum(e.running for e in engines) - in_flight)  # running sequences that are not ours
         reason = ""

@@ -39,3 +39,12 @@ def test_its_own_lines_are_not_counted_as_interactive_load():
 def test_no_engine_means_nothing_in_flight():
     p = Pacer(PacingConfig())
     assert p.decide([], in_flight=0).limit == 0
+
+
+def test_one_step_per_heartbeat_not_per_question():
+    p = Pacer(PacingConfig(max_in_flight_per_engine=16))
+    beat = [engine(ts=100.0)]
+    assert [p.decide(beat, in_flight=0).limit for _ in range(5)] == [2, 2, 2, 2, 2]  # the same figures, asked again
+    assert p.decide([engine(ts=101.0)], in_flight=2).limit == 3
+    busy = [engine(ts=102.0, waiting=1)]
+    assert [p.decide(busy, in_flight=3).limit for _ in range(3)] == [1, 1, 1]  # halved once, not three times
