@@ -225,10 +225,15 @@ def test_split_path_recompute_from_a_tiny_kv_pool(demo_kit, prompts, references)
 
 def test_batch_prompts_held_for_interactive_first_tokens(demo_kit, prompts, references):
     """Batch-class requests run while interactive ones keep arriving: the steps that compute an interactive
-    prompt hold the batch prompts (class_yield.py), which go on in later steps; every output is still HF's."""
+    prompt hold the batch prompts (class_yield.py), which go on in later steps in chunks of at most the
+    lower-class cap; every output is still HF's."""
     from collections import defaultdict
 
-    engine = make_engine(demo_kit.base_dir, block_size=4, budget=24)
+    import dataclasses
+
+    config = make_config(demo_kit.base_dir, block_size=4, budget=24)
+    # A cap below most prompts: batch prompts are also cut into capped chunks.
+    engine = LLMEngine(dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, lower_class_prefill_tokens=5)))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     half = len(prompts) // 2
     for i in range(half):
@@ -238,6 +243,8 @@ def test_batch_prompts_held_for_interactive_first_tokens(demo_kit, prompts, refe
 
     def observed():  # the real scheduler's plan, looked at
         plan = schedule()
+        assert sum(s.num_new_tokens for s in plan.scheduled
+                   if s.seq.priority is Priority.BATCH and s.start < s.seq.num_prompt_tokens) <= 5
         if computes_interactive_prompt(plan):
             assert not any(s.seq.priority is Priority.BATCH and s.start < s.seq.num_prompt_tokens for s in plan.scheduled)
             held.append(bool(sched.waiting[Priority.BATCH]) or any(

@@ -154,3 +154,21 @@ def test_a_step_computing_an_interactive_prompt_holds_batch_prefills_but_not_bat
     advance(sched, plan)
     plan = sched.schedule()  # inter decodes now: the batch prompts go on
     assert {s.seq.request_id for s in plan.scheduled} == {"b-decode", "inter", "b-long", "b-new"}
+
+
+def test_batch_prompt_work_per_step_is_capped_chunks_included():
+    kv = KVCacheManager(BlockPool(64), 4)
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, lower_class_prefill_tokens=10)
+    sched = Scheduler(cfg, kv, 256)
+    sched.add(make_seq("b1", 8, priority=Priority.BATCH))
+    sched.add(make_seq("b2", 30, priority=Priority.BATCH, first_token=100))
+    sched.add(make_seq("b3", 4, priority=Priority.BATCH, first_token=200))
+    plan = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("b1", 8), ("b2", 2)]  # 10, b3 waits
+    advance(sched, plan)
+    plan = sched.schedule()
+    # b1 decodes (not prompt work); b2's next chunk and b3 share the cap.
+    assert sorted((s.seq.request_id, s.num_new_tokens) for s in plan.scheduled) == [("b1", 1), ("b2", 10)]
+    interactive = make_scheduler(budget=64)
+    interactive.add(make_seq("i1", 40))  # interactive prompts are never capped
+    assert interactive.schedule().scheduled[0].num_new_tokens == 40
