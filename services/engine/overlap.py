@@ -83,7 +83,12 @@ class OverlapStepper:
             failed += self.drain()  # the next mask needs this step's tokens: no overlap for it
         plan = e.scheduler.schedule()
         e._account_plan(plan)
-        prepared = e.runner.begin(plan, e.adapters) if not plan.is_empty else None
+        prepared, refused = None, None
+        if not plan.is_empty:
+            try:
+                prepared = e.runner.begin(plan, e.adapters)
+            except Exception as exc:  # a value no tensor can hold: found out per sequence below, as in a forward
+                refused = exc
         holes = _holes(plan)
         landing, self.flight = self.flight, None
         self.times.cpu += time.perf_counter() - t0
@@ -99,6 +104,8 @@ class OverlapStepper:
             outputs += self._postprocess(landing)  # while the next forward runs
         if flight is not None:
             self._mark(flight)
+        elif refused is not None:  # the landed tokens are in place now: run this step one sequence at a time
+            outputs += e._isolate(StepPlan([s for s in plan.scheduled if s.seq.status is Status.RUNNING]), refused)
         self.flight = flight
         e.last_plan_empty = landing is None and plan.is_empty
         e._update_gauges()
