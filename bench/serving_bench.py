@@ -63,12 +63,9 @@ class Result:
 # -- the model and its adapters ---------------------------------------------------------------------------
 def build() -> tuple[Path, list[Path]]:
     """The random head_dim-32 Llama and N_ADAPTERS PEFT adapters (rank 8, attention projections); cached."""
-    from services.modelkit import build_tiny_random, make_random_adapter
+    from services.modelkit import make_random_adapter
 
-    model = WORK / "llama-hd32"
-    if not (model / "config.json").exists():
-        build_tiny_random(model, arch="llama", seed=0, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2,
-                          vocab_size=512, max_position_embeddings=1024)
+    model = build_model()
     adapters = []
     for i in range(N_ADAPTERS):
         path = WORK / "adapters" / f"a{i:03d}"
@@ -77,6 +74,17 @@ def build() -> tuple[Path, list[Path]]:
                                 seed=1000 + i)
         adapters.append(path)
     return model, adapters
+
+
+def build_model() -> Path:
+    """The random head_dim-32 Llama alone (cached)."""
+    from services.modelkit import build_tiny_random
+
+    model = WORK / "llama-hd32"
+    if not (model / "config.json").exists():
+        build_tiny_random(model, arch="llama", seed=0, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2,
+                          vocab_size=512, max_position_embeddings=1024)
+    return model
 
 
 def _prompts(n: int, seed: int) -> list[str]:
