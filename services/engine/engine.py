@@ -128,6 +128,7 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
         self._failpoints = config.failpoints
+        self.draining = False  # set by the drain op (core_ops.drain): new requests are refused, running ones finish
         self.overlap = None  # async scheduling (overlap.py): the next step's CPU work during this one's forward
         if config.async_scheduling:
             from services.engine.overlap import OverlapStepper

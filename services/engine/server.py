@@ -150,15 +150,20 @@ class EngineServer:
         return {"status": "ok"}
 
     async def ready(self):
+        if self.engine.alive and not self.draining and await self.engine.op("is_draining"):
+            self.draining = True  # another front-end of this engine was told to drain
         if not self.engine.alive or self.draining:
             return JSONResponse({"ready": False, "draining": self.draining}, 503)
         return {"ready": True, "model": self.model_name}
 
     async def drain(self):
-        """Stop taking new requests (pod preStop): leave the registry; in-flight streams finish."""
+        """Stop taking new requests (pod preStop): on every front-end of this engine -- the drain is the core's,
+        which refuses whatever any front-end sends from now on, and the front-end that heartbeats leaves the
+        registry within a beat -- while in-flight streams finish."""
         self.draining = True
         self.stop_heartbeat.set()
-        return {"draining": True, "in_flight": self.engine.num_in_flight}
+        in_flight = await self.engine.op("drain")
+        return {"draining": True, "in_flight": in_flight}
 
     async def metrics(self):
         return Response(await self.engine.op("metrics"), media_type=CONTENT_TYPE_LATEST)
