@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ N_BURST = int(os.environ.get("MPLEX_BENCH_SERVING_BURST", "256"))
 MAX_NEW = 64
 N_ADAPTERS, SLOTS, RANK = 256, 32, 8
 RATES = tuple(float(r) for r in os.environ.get("MPLEX_BENCH_SERVING_RATES", "4,8,16,24,32,48,64,96").split(","))
+GATEWAY_ROUNDS = int(os.environ.get("MPLEX_BENCH_SERVING_GATEWAY_ROUNDS", "3"))
 RAMP_SECONDS = float(os.environ.get("MPLEX_BENCH_SERVING_RAMP_S", "10"))
 SLO_TTFT, SLO_TPOT = 1.0, 0.050
 # vLLM's settings, reported in the results: fp32 like the engine, the same context, slots and adapter cache;
@@ -206,7 +208,8 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def start_engine(model: Path, adapters: list[Path], frontends: int) -> tuple[subprocess.Popen, str, dict]:
+def start_engine(model: Path, adapters: list[Path], frontends: int, extra: tuple[str, ...] = (),
+                 env_extra: dict | None = None) -> tuple[subprocess.Popen, str, dict]:
     import httpx
 
     from services.common.internal_auth import client_headers, engine_tokens
@@ -214,10 +217,10 @@ def start_engine(model: Path, adapters: list[Path], frontends: int) -> tuple[sub
 
     port = _port()
     log = WORK / f"engine-{frontends}.log"
-    env = {**os.environ, "MPLEX_STORAGE_URL": f"file://{WORK / 'adapters'}"}
+    env = {**os.environ, "MPLEX_STORAGE_URL": f"file://{WORK / 'adapters'}", **(env_extra or {})}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "serve", "--model", str(model),
                              "--served-model-name", "base", "--port", str(port), "--frontends", str(frontends),
-                             "--log-level", "warning", *ENGINE_ARGS], cwd=ROOT, env=env,
+                             "--log-level", "warning", *ENGINE_ARGS, *extra], cwd=ROOT, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     headers = client_headers(engine_tokens(get_settings()))
@@ -240,6 +243,61 @@ def start_vllm(model: Path, adapters: list[Path]) -> tuple[subprocess.Popen, str
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/v1/models", proc, log, timeout=600)
     return proc, url, {}
+
+
+def _gateway(model: Path, adapters: list[Path]) -> dict:
+    """The base workloads through the gateway (auth, quota reservation and settlement, routing by the registry,
+    the ledger row, engine NDJSON -> OpenAI SSE) in front of the same engine, and directly to that engine in the
+    same run: the relay's cost at saturation. Embedded Postgres and Redis, as `make up` runs them."""
+    from bench.gateway_bench import _seed_key
+    from services.common.embedded import embedded_services
+    from services.common.migrate import upgrade
+    from services.common.settings import Settings
+
+    settings = Settings()
+    with embedded_services(settings) as urls:
+        redis_db = urls.redis_url.rsplit("/", 1)[0] + "/8"  # a registry of its own: only this engine serves here
+        import redis as sync_redis
+
+        sync_redis.Redis.from_url(redis_db).flushdb()
+        upgrade(urls.database_url)
+        key = _seed_key(urls.database_url)
+        engine, url, headers = start_engine(model, adapters[:0], 1, ("--redis-url", redis_db))
+        procs = [engine]
+        try:
+            gw_port = _port()
+            env = {**os.environ, **urls.as_env(), "MPLEX_REDIS_URL": redis_db, "MPLEX_BASE_MODEL_NAME": "base",
+                   "MPLEX_BASE_MODEL_DIR": str(model), "MPLEX_HOME": str(settings.home)}
+            log = WORK / "gateway.log"
+            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "serve", "--port",
+                                           str(gw_port), "--log-level", "warning"], cwd=ROOT, env=env,
+                                          stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True))
+            gw = f"http://127.0.0.1:{gw_port}"
+            _wait(gw + "/ready", procs[-1], log)
+            gw_headers = {"authorization": f"Bearer {key}"}
+            w = workloads()["base"]
+            asyncio.run(http_run(gw, gw_headers, w[:16], True))  # warm-up: key cache, connections, routing
+            systems = {"direct": (url, headers), "gateway": (gw, gw_headers)}
+            runs: dict[str, dict[str, list[dict]]] = {s: {"base_stream": [], "base": []} for s in systems}
+            for i in range(GATEWAY_ROUNDS):  # interleaved, order flipped each round: the VM's load falls on both
+                for stream, name in ((True, "base_stream"), (False, "base")):
+                    for system in (list(systems) if i % 2 == 0 else list(systems)[::-1]):
+                        u, h = systems[system]
+                        runs[system][name].append(_summary(*asyncio.run(http_run(u, h, w, stream))))
+            figs: dict[str, dict] = {s: {name: _median_run(r) for name, r in by.items()} for s, by in runs.items()}
+            figs["ratio"] = {name: statistics.median(g["output_tok_s"] / d["output_tok_s"] for g, d in
+                                                     zip(runs["gateway"][name], runs["direct"][name]))
+                             for name in ("base_stream", "base")}
+            figs["runs"] = runs
+            return figs
+        finally:
+            for p in reversed(procs):
+                _stop(p)
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its latencies with it)."""
+    return sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
 
 
 # -- measuring --------------------------------------------------------------------------------------------
@@ -321,10 +379,14 @@ def main() -> None:
             continue
         print(f"-- {name}", flush=True)
         figs[name] = run()
-    _report(figs)
+    gateway = None
+    if not only or "gateway" in only.split(","):
+        print("-- gateway (and the same engine directly)", flush=True)
+        gateway = _gateway(model, adapters)
+    _report(figs, gateway)
 
 
-def _report(figs: dict[str, dict]) -> None:
+def _report(figs: dict[str, dict], gateway: dict | None = None) -> None:
     rows = []
     for name, f in figs.items():
         rows.append([name, f["base_stream"]["output_tok_s"], f["base"]["output_tok_s"], f["adapters_4"]["output_tok_s"],
@@ -344,8 +406,21 @@ def _report(figs: dict[str, dict]) -> None:
     targets.append(Target("http / in-process, base streamed", ratio("http", "in_process", "base_stream"), 0.9))
     for key, goal in (("base_stream", 2.0), ("base", 2.0), ("adapters_256", 2.5), ("poisson_rate_held", 2.0)):
         targets.append(Target(f"http / vLLM-CPU, {key}", ratio("http", "vllm_cpu", key), goal))
+    if gateway is not None:
+        rows = [[name, f["base_stream"]["output_tok_s"], f["base"]["output_tok_s"], f["base_stream"]["ttft_p99_s"],
+                 f["base_stream"]["tpot_p99_s"]] for name, f in gateway.items() if name in ("direct", "gateway")]
+        print(table(f"through the gateway: the same engine (core + 1 front-end) direct and behind `mplex gateway serve` "
+                    f"(median of {GATEWAY_ROUNDS} interleaved rounds)",
+                    ["system", "base streamed tok/s", "base tok/s", "TTFT p99 s", "TPOT p99 s"], rows))
+        for key in ("base_stream", "base"):  # the median of the paired rounds' ratios
+            targets.append(Target(f"gateway / direct, {key}", gateway["ratio"][key], 0.9))
+        figs = {**figs, "through_gateway": gateway}
     settings = {"vllm_args": VLLM_ARGS, "vllm_env": VLLM_ENV, "engine_args": ENGINE_ARGS,
                 "model": "random Llama, hidden 256, 8/2 heads (head_dim 32), 4 layers, vocab 512, fp32",
                 "adapters": f"{N_ADAPTERS} PEFT LoRA, rank {RANK}, q/k/v/o", "max_new_tokens": MAX_NEW,
                 "slo": {"ttft_p99_s": SLO_TTFT, "tpot_p99_s": SLO_TPOT}, "cpus": os.cpu_count()}
     write_results("serving", {"settings": settings, "systems": figs}, targets)
+
+
+if __name__ == "__main__":
+    main()
