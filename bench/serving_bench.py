@@ -249,6 +249,8 @@ def _gateway(model: Path, adapters: list[Path]) -> dict:
     """The base workloads through the gateway (auth, quota reservation and settlement, routing by the registry,
     the ledger row, engine NDJSON -> OpenAI SSE) in front of the same engine, and directly to that engine in the
     same run: the relay's cost at saturation. Embedded Postgres and Redis, as `make up` runs them."""
+    import psutil
+
     from bench.gateway_bench import _seed_key
     from services.common.embedded import embedded_services
     from services.common.migrate import upgrade
@@ -279,20 +281,35 @@ def _gateway(model: Path, adapters: list[Path]) -> dict:
             asyncio.run(http_run(gw, gw_headers, w[:16], True))  # warm-up: key cache, connections, routing
             systems = {"direct": (url, headers), "gateway": (gw, gw_headers)}
             runs: dict[str, dict[str, list[dict]]] = {s: {"base_stream": [], "base": []} for s in systems}
+            gateway_proc = psutil.Process(procs[-1].pid)
             for i in range(GATEWAY_ROUNDS):  # interleaved, order flipped each round: the VM's load falls on both
                 for stream, name in ((True, "base_stream"), (False, "base")):
                     for system in (list(systems) if i % 2 == 0 else list(systems)[::-1]):
                         u, h = systems[system]
-                        runs[system][name].append(_summary(*asyncio.run(http_run(u, h, w, stream))))
+                        # CPU time, unlike wall time, barely moves with the VM's other load: the relay's cost
+                        cpu0 = _cpu_seconds(gateway_proc)
+                        summary = _summary(*asyncio.run(http_run(u, h, w, stream)))
+                        if system == "gateway":
+                            summary["gateway_cpu_ms_per_1k_tokens"] = round(
+                                1e6 * (_cpu_seconds(gateway_proc) - cpu0) / summary["output_tokens"], 1)
+                        runs[system][name].append(summary)
             figs: dict[str, dict] = {s: {name: _median_run(r) for name, r in by.items()} for s, by in runs.items()}
             figs["ratio"] = {name: statistics.median(g["output_tok_s"] / d["output_tok_s"] for g, d in
                                                      zip(runs["gateway"][name], runs["direct"][name]))
                              for name in ("base_stream", "base")}
+            figs["gateway_cpu_ms_per_1k_tokens"] = {name: statistics.median(r["gateway_cpu_ms_per_1k_tokens"]
+                                                                            for r in runs["gateway"][name])
+                                                    for name in ("base_stream", "base")}
             figs["runs"] = runs
             return figs
         finally:
             for p in reversed(procs):
                 _stop(p)
+
+
+def _cpu_seconds(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -412,6 +429,9 @@ def _report(figs: dict[str, dict], gateway: dict | None = None) -> None:
         print(table(f"through the gateway: the same engine (core + 1 front-end) direct and behind `mplex gateway serve` "
                     f"(median of {GATEWAY_ROUNDS} interleaved rounds)",
                     ["system", "base streamed tok/s", "base tok/s", "TTFT p99 s", "TPOT p99 s"], rows))
+        cpu = gateway["gateway_cpu_ms_per_1k_tokens"]
+        print(f"gateway process CPU per 1,000 output tokens (median): streamed {cpu['base_stream']:.0f} ms, "
+              f"non-streamed {cpu['base']:.0f} ms")
         for key in ("base_stream", "base"):  # the median of the paired rounds' ratios
             targets.append(Target(f"gateway / direct, {key}", gateway["ratio"][key], 0.9))
         figs = {**figs, "through_gateway": gateway}
