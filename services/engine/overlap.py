@@ -132,9 +132,6 @@ class OverlapStepper:
             pass  # its requests are failed by the caller (LLMEngine.recover)
         _take_placeholders(flight)
 
-    def shutdown(self) -> None:
-        self.worker.shutdown(wait=True)
-
     # -- launching and landing -------------------------------------------------------------------------
     def _launch(self, plan: StepPlan, prepared: PreparedStep, holes: list[tuple[int, Sequence]],
                 tokens: dict[Sequence, int]) -> _Flight:
