@@ -92,7 +92,7 @@ def _seed_key(database_url: str) -> str:
         t = Tenant(name="bench", slug=f"bench-{uuid.uuid4().hex[:8]}", plan="default")
         s.add(t)
         s.flush()
-        s.add(TenantLimits(tenant_id=t.id, tokens_per_min=10**9, requests_per_min=10**7))
+        s.add(TenantLimits(tenant_id=t.id, tokens_per_min=10**9, requests_per_min=10**7, concurrent_requests=10**6))
         s.add(ApiKey(tenant_id=t.id, prefix=new.prefix, key_hash=new.hash, name="bench"))
         s.commit()
     return new.full

@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ N_BURST = int(os.environ.get("MPLEX_BENCH_SERVING_BURST", "256"))
 MAX_NEW = 64
 N_ADAPTERS, SLOTS, RANK = 256, 32, 8
 RATES = tuple(float(r) for r in os.environ.get("MPLEX_BENCH_SERVING_RATES", "4,8,16,24,32,48,64,96").split(","))
+GATEWAY_ROUNDS = int(os.environ.get("MPLEX_BENCH_SERVING_GATEWAY_ROUNDS", "3"))
 RAMP_SECONDS = float(os.environ.get("MPLEX_BENCH_SERVING_RAMP_S", "10"))
 SLO_TTFT, SLO_TPOT = 1.0, 0.050
 # vLLM's settings, reported in the results: fp32 like the engine, the same context, slots and adapter cache;
@@ -63,12 +65,9 @@ class Result:
 # -- the model and its adapters ---------------------------------------------------------------------------
 def build() -> tuple[Path, list[Path]]:
     """The random head_dim-32 Llama and N_ADAPTERS PEFT adapters (rank 8, attention projections); cached."""
-    from services.modelkit import build_tiny_random, make_random_adapter
+    from services.modelkit import make_random_adapter
 
-    model = WORK / "llama-hd32"
-    if not (model / "config.json").exists():
-        build_tiny_random(model, arch="llama", seed=0, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2,
-                          vocab_size=512, max_position_embeddings=1024)
+    model = build_model()
     adapters = []
     for i in range(N_ADAPTERS):
         path = WORK / "adapters" / f"a{i:03d}"
@@ -77,6 +76,17 @@ def build() -> tuple[Path, list[Path]]:
                                 seed=1000 + i)
         adapters.append(path)
     return model, adapters
+
+
+def build_model() -> Path:
+    """The random head_dim-32 Llama alone (cached)."""
+    from services.modelkit import build_tiny_random
+
+    model = WORK / "llama-hd32"
+    if not (model / "config.json").exists():
+        build_tiny_random(model, arch="llama", seed=0, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2,
+                          vocab_size=512, max_position_embeddings=1024)
+    return model
 
 
 def _prompts(n: int, seed: int) -> list[str]:
@@ -198,7 +208,8 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def start_engine(model: Path, adapters: list[Path], frontends: int) -> tuple[subprocess.Popen, str, dict]:
+def start_engine(model: Path, adapters: list[Path], frontends: int, extra: tuple[str, ...] = (),
+                 env_extra: dict | None = None) -> tuple[subprocess.Popen, str, dict]:
     import httpx
 
     from services.common.internal_auth import client_headers, engine_tokens
@@ -206,10 +217,10 @@ def start_engine(model: Path, adapters: list[Path], frontends: int) -> tuple[sub
 
     port = _port()
     log = WORK / f"engine-{frontends}.log"
-    env = {**os.environ, "MPLEX_STORAGE_URL": f"file://{WORK / 'adapters'}"}
+    env = {**os.environ, "MPLEX_STORAGE_URL": f"file://{WORK / 'adapters'}", **(env_extra or {})}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "serve", "--model", str(model),
                              "--served-model-name", "base", "--port", str(port), "--frontends", str(frontends),
-                             "--log-level", "warning", *ENGINE_ARGS], cwd=ROOT, env=env,
+                             "--log-level", "warning", *ENGINE_ARGS, *extra], cwd=ROOT, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     headers = client_headers(engine_tokens(get_settings()))
@@ -232,6 +243,78 @@ def start_vllm(model: Path, adapters: list[Path]) -> tuple[subprocess.Popen, str
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/v1/models", proc, log, timeout=600)
     return proc, url, {}
+
+
+def _gateway(model: Path, adapters: list[Path]) -> dict:
+    """The base workloads through the gateway (auth, quota reservation and settlement, routing by the registry,
+    the ledger row, engine NDJSON -> OpenAI SSE) in front of the same engine, and directly to that engine in the
+    same run: the relay's cost at saturation. Embedded Postgres and Redis, as `make up` runs them."""
+    import psutil
+
+    from bench.gateway_bench import _seed_key
+    from services.common.embedded import embedded_services
+    from services.common.migrate import upgrade
+    from services.common.settings import Settings
+
+    settings = Settings()
+    with embedded_services(settings) as urls:
+        redis_db = urls.redis_url.rsplit("/", 1)[0] + "/8"  # a registry of its own: only this engine serves here
+        import redis as sync_redis
+
+        sync_redis.Redis.from_url(redis_db).flushdb()
+        upgrade(urls.database_url)
+        key = _seed_key(urls.database_url)
+        engine, url, headers = start_engine(model, adapters[:0], 1, ("--redis-url", redis_db))
+        procs = [engine]
+        try:
+            gw_port = _port()
+            env = {**os.environ, **urls.as_env(), "MPLEX_REDIS_URL": redis_db, "MPLEX_BASE_MODEL_NAME": "base",
+                   "MPLEX_BASE_MODEL_DIR": str(model), "MPLEX_HOME": str(settings.home)}
+            log = WORK / "gateway.log"
+            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "serve", "--port",
+                                           str(gw_port), "--log-level", "warning"], cwd=ROOT, env=env,
+                                          stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True))
+            gw = f"http://127.0.0.1:{gw_port}"
+            _wait(gw + "/ready", procs[-1], log)
+            gw_headers = {"authorization": f"Bearer {key}"}
+            w = workloads()["base"]
+            asyncio.run(http_run(gw, gw_headers, w[:16], True))  # warm-up: key cache, connections, routing
+            systems = {"direct": (url, headers), "gateway": (gw, gw_headers)}
+            runs: dict[str, dict[str, list[dict]]] = {s: {"base_stream": [], "base": []} for s in systems}
+            gateway_proc = psutil.Process(procs[-1].pid)
+            for i in range(GATEWAY_ROUNDS):  # interleaved, order flipped each round: the VM's load falls on both
+                for stream, name in ((True, "base_stream"), (False, "base")):
+                    for system in (list(systems) if i % 2 == 0 else list(systems)[::-1]):
+                        u, h = systems[system]
+                        # CPU time, unlike wall time, barely moves with the VM's other load: the relay's cost
+                        cpu0 = _cpu_seconds(gateway_proc)
+                        summary = _summary(*asyncio.run(http_run(u, h, w, stream)))
+                        if system == "gateway":
+                            summary["gateway_cpu_ms_per_1k_tokens"] = round(
+                                1e6 * (_cpu_seconds(gateway_proc) - cpu0) / summary["output_tokens"], 1)
+                        runs[system][name].append(summary)
+            figs: dict[str, dict] = {s: {name: _median_run(r) for name, r in by.items()} for s, by in runs.items()}
+            figs["ratio"] = {name: statistics.median(g["output_tok_s"] / d["output_tok_s"] for g, d in
+                                                     zip(runs["gateway"][name], runs["direct"][name]))
+                             for name in ("base_stream", "base")}
+            figs["gateway_cpu_ms_per_1k_tokens"] = {name: statistics.median(r["gateway_cpu_ms_per_1k_tokens"]
+                                                                            for r in runs["gateway"][name])
+                                                    for name in ("base_stream", "base")}
+            figs["runs"] = runs
+            return figs
+        finally:
+            for p in reversed(procs):
+                _stop(p)
+
+
+def _cpu_seconds(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its latencies with it)."""
+    return sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
 
 
 # -- measuring --------------------------------------------------------------------------------------------
@@ -313,10 +396,14 @@ def main() -> None:
             continue
         print(f"-- {name}", flush=True)
         figs[name] = run()
-    _report(figs)
+    gateway = None
+    if not only or "gateway" in only.split(","):
+        print("-- gateway (and the same engine directly)", flush=True)
+        gateway = _gateway(model, adapters)
+    _report(figs, gateway)
 
 
-def _report(figs: dict[str, dict]) -> None:
+def _report(figs: dict[str, dict], gateway: dict | None = None) -> None:
     rows = []
     for name, f in figs.items():
         rows.append([name, f["base_stream"]["output_tok_s"], f["base"]["output_tok_s"], f["adapters_4"]["output_tok_s"],
@@ -336,8 +423,24 @@ def _report(figs: dict[str, dict]) -> None:
     targets.append(Target("http / in-process, base streamed", ratio("http", "in_process", "base_stream"), 0.9))
     for key, goal in (("base_stream", 2.0), ("base", 2.0), ("adapters_256", 2.5), ("poisson_rate_held", 2.0)):
         targets.append(Target(f"http / vLLM-CPU, {key}", ratio("http", "vllm_cpu", key), goal))
+    if gateway is not None:
+        rows = [[name, f["base_stream"]["output_tok_s"], f["base"]["output_tok_s"], f["base_stream"]["ttft_p99_s"],
+                 f["base_stream"]["tpot_p99_s"]] for name, f in gateway.items() if name in ("direct", "gateway")]
+        print(table(f"through the gateway: the same engine (core + 1 front-end) direct and behind `mplex gateway serve` "
+                    f"(median of {GATEWAY_ROUNDS} interleaved rounds)",
+                    ["system", "base streamed tok/s", "base tok/s", "TTFT p99 s", "TPOT p99 s"], rows))
+        cpu = gateway["gateway_cpu_ms_per_1k_tokens"]
+        print(f"gateway process CPU per 1,000 output tokens (median): streamed {cpu['base_stream']:.0f} ms, "
+              f"non-streamed {cpu['base']:.0f} ms")
+        for key in ("base_stream", "base"):  # the median of the paired rounds' ratios
+            targets.append(Target(f"gateway / direct, {key}", gateway["ratio"][key], 0.9))
+        figs = {**figs, "through_gateway": gateway}
     settings = {"vllm_args": VLLM_ARGS, "vllm_env": VLLM_ENV, "engine_args": ENGINE_ARGS,
                 "model": "random Llama, hidden 256, 8/2 heads (head_dim 32), 4 layers, vocab 512, fp32",
                 "adapters": f"{N_ADAPTERS} PEFT LoRA, rank {RANK}, q/k/v/o", "max_new_tokens": MAX_NEW,
                 "slo": {"ttft_p99_s": SLO_TTFT, "tpot_p99_s": SLO_TPOT}, "cpus": os.cpu_count()}
     write_results("serving", {"settings": settings, "systems": figs}, targets)
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,10 @@ GENERATE_PATH = "/internal/v1/generate"
 # speak as its own fault (EngineUnavailable), so during a rolling upgrade the gateway tries the next engine.
 WIRE_VERSION = 1
 WIRE_HEADER = "x-mplex-wire"
+# Sent "1" by a caller that needs the whole answer, not its steps (the gateway's non-streamed requests): after
+# the first line the engine sends the rest as one line at the end. A header, not a GenerateRequest field, so an
+# engine that does not know it ignores it (and streams every step, which the caller reads alike).
+COALESCE_HEADER = "x-mplex-coalesce"
 _ID = r"^[A-Za-z0-9._:-]+$"
 
 
@@ -112,6 +116,15 @@ class StreamItem(BaseModel):
 
     def encode(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode() + b"\n"
+
+    def extend(self, later: StreamItem) -> None:
+        """Append a later step's item to this one (a coalesced stream): text, tokens and logprobs in order, the
+        later end (finish reason, usage)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason, self.usage = later.finish_reason, later.usage
 
     @classmethod
     def decode(cls, line: bytes) -> StreamItem:

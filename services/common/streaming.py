@@ -14,22 +14,34 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-DISCONNECT_POLL_S = 0.1  # a hung-up non-streaming request stops costing batch seats and KV blocks within this
-
-
 async def unless_disconnected(request: Request, coro):
     """Run a non-streaming generation; if the client hangs up, cancel it (which aborts it upstream) and
-    raise CancelledError."""
+    raise CancelledError. The hang-up is awaited, not polled: a poll every 100 ms per request waiting for its
+    answer cost the gateway more CPU at saturation than relaying the engine's tokens did."""
     task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
+    hangup = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        if not hangup.done():
+            hangup.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise asyncio.CancelledError("client disconnected")
+                await hangup
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise asyncio.CancelledError("client disconnected")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ClosingStreamingResponse(StreamingResponse):

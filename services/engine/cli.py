@@ -46,6 +46,8 @@ def serve(
                                   "(0: the HTTP server shares the core's process, as before the split)"),
     core_threads: int = typer.Option(0, min=0, help="torch threads of the engine core (0: torch's default, "
                                      "which follows OMP_NUM_THREADS)"),
+    async_scheduling: bool = typer.Option(False, help="Schedule and build step N+1's inputs while step N's forward "
+                                          "runs, post-process step N during step N+1 (token-identical outputs)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
@@ -72,6 +74,7 @@ def serve(
         adapter_base_names=_base_names(model, served_model_name),
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
+        async_scheduling=async_scheduling,
     )
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:

@@ -320,6 +320,9 @@ class EngineConfig:
     # whose sequences hold the token id of `step_error` raises in the forward, of `crash` kills the
     # process as a native kernel fault would. See FAILPOINTS.
     failpoints: tuple[tuple[str, int], ...] = ()
+    # Async scheduling (overlap.py): schedule and build step N+1's inputs while step N's forward runs on a
+    # worker thread, and post-process step N during step N+1's forward. Token-identical outputs either way.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name, _ in self.failpoints:

@@ -63,6 +63,17 @@ def clock(_: LLMEngine) -> float:
     return time.monotonic()
 
 
+def drain(engine: LLMEngine) -> int:
+    """Stop admitting on every front-end (the core refuses new requests from all of them); in-flight requests
+    finish. Returns how many are in flight."""
+    engine.draining = True
+    return num_in_flight(engine)
+
+
+def is_draining(engine: LLMEngine) -> bool:
+    return engine.draining
+
+
 def counters(engine: LLMEngine) -> dict[str, float]:
     """What tests and benchmarks read from a core in another process."""
     m = engine.metrics
@@ -72,7 +83,7 @@ def counters(engine: LLMEngine) -> dict[str, float]:
 
 
 OPS = {f.__name__: f for f in (adapter_state, unload_adapter, load_adapter, uptime, registry_snapshot, retire_adapter,
-                                metrics, num_in_flight, check_integrity, clock, counters)}
+                                metrics, num_in_flight, check_integrity, clock, counters, drain, is_draining)}
 # Run off the step loop (they block on files); everything else runs between steps.
 BLOCKING_OPS = frozenset({"load_adapter"})
 

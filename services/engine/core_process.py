@@ -36,6 +36,7 @@ from services.engine.core_protocol import (
     encode,
 )
 from services.engine.engine import LLMEngine, RequestOutput
+from services.common.wire import EngineUnavailable
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams
 
 log = logging.getLogger("mplex.engine.core")
@@ -140,6 +141,8 @@ class EngineCore:
     def _add(self, fe: bytes, msg: Add) -> None:
         engine = self.engine
         try:
+            if engine.draining:  # whichever front-end was told to drain: none admits any more
+                raise EngineUnavailable("this engine is draining; retry on another engine", code="engine_draining")
             if msg.request_id in self.owner:
                 raise InvalidRequest(f"request id {msg.request_id!r} is already in flight", "request_id", status=409)
             params = SamplingParams.from_wire(msg.sampling)

@@ -128,6 +128,12 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
         self._failpoints = config.failpoints
+        self.draining = False  # set by the drain op (core_ops.drain): new requests are refused, running ones finish
+        self.overlap = None  # async scheduling (overlap.py): the next step's CPU work during this one's forward
+        if config.async_scheduling:
+            from services.engine.overlap import OverlapStepper
+
+            self.overlap = OverlapStepper(self)
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
@@ -222,21 +228,12 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None:  # async scheduling: this step planned while the last one runs
+            return self.overlap.step()
         failed = self._fail_adapter_loads()
         self._prefetch_adapters()
         plan = self.scheduler.schedule()
-        hits = self.scheduler.prefix_hit_tokens - self._hits_reported
-        if hits:
-            self.metrics.prefix_hit_tokens.inc(hits)
-            self._hits_reported += hits
-        self.metrics.count_preemptions(PreemptKind.SWAP.value, len(plan.swapped_out))
-        self.metrics.count_preemptions(PreemptKind.RECOMPUTE.value, len(plan.preempted) - len(plan.swapped_out))
-        if plan.fair_preempted:
-            self.metrics.fair_preemptions.inc(plan.fair_preempted)
-        forks = self.scheduler.num_forks - self._forks_reported
-        if forks:
-            self.metrics.forks.inc(forks)
-            self._forks_reported += forks
+        self._account_plan(plan)
         if plan.block_copies:  # also when nothing runs: a sequence that preempted itself is swapped out
             self._copy_blocks(plan)
         self.last_plan_empty = plan.is_empty
@@ -258,6 +255,21 @@ class LLMEngine:
         self.load.observe(self.scheduler, time.perf_counter() - t0, finished)
         self._update_gauges()
         return failed + outputs
+
+    def _account_plan(self, plan: StepPlan) -> None:
+        """The scheduler's counters since the last plan, into the metrics."""
+        hits = self.scheduler.prefix_hit_tokens - self._hits_reported
+        if hits:
+            self.metrics.prefix_hit_tokens.inc(hits)
+            self._hits_reported += hits
+        self.metrics.count_preemptions(PreemptKind.SWAP.value, len(plan.swapped_out))
+        self.metrics.count_preemptions(PreemptKind.RECOMPUTE.value, len(plan.preempted) - len(plan.swapped_out))
+        if plan.fair_preempted:
+            self.metrics.fair_preemptions.inc(plan.fair_preempted)
+        forks = self.scheduler.num_forks - self._forks_reported
+        if forks:
+            self.metrics.forks.inc(forks)
+            self._forks_reported += forks
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """The step's swaps and copy-on-write copies, before its forward. They belong to no one request:
@@ -330,6 +342,8 @@ class LLMEngine:
         on. Waiting requests keep their place. Raises if the state is not consistent: the caller must then
         stop this engine (its supervisor restarts it)."""
         log.error("engine step failed outside any one request: %r; failing the running requests", exc, exc_info=exc)
+        if self.overlap is not None:
+            self.overlap.abandon()
         outputs = [self._fail(seq, exc, "unattributed") for seq in list(self.scheduler.running)]
         self.check_integrity()
         self._update_gauges()
@@ -368,7 +382,10 @@ class LLMEngine:
                                          error=adapter_error(bad[seq.adapter.content_id])))
         return out
 
-    def _postprocess(self, plan: StepPlan, sampled: SamplerOutput | None, elapsed: float) -> list[RequestOutput]:
+    def _postprocess(self, plan: StepPlan, sampled: SamplerOutput | None, elapsed: float,
+                     moved: set[Sequence] | frozenset = frozenset()) -> list[RequestOutput]:
+        """`moved` (async scheduling): sequences preempted, finished or aborted after the step was planned --
+        a finished one is skipped, a preempted one keeps the progress its preemption gave it."""
         now = time.monotonic()
         total = plan.num_batched_tokens
         self.stats.steps += 1
@@ -382,10 +399,13 @@ class LLMEngine:
             seq = s.seq
             r = row
             row += s.samples
+            if seq.status is Status.FINISHED:
+                continue  # aborted or finished while an async step ran
             try:  # one request's output handling (detokenize, stops, bookkeeping) fails only that request
                 seq.compute_seconds += elapsed * s.num_new_tokens / total
-                seq.num_computed_tokens = s.start + s.num_new_tokens
-                self.kv.commit(seq)
+                if seq not in moved:
+                    seq.num_computed_tokens = s.start + s.num_new_tokens
+                    self.kv.commit(seq)
                 if not s.samples:
                     continue
                 assert sampled is not None

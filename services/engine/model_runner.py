@@ -37,6 +37,16 @@ class StepInputs:
 
 
 @dataclass(slots=True)
+class PreparedStep:
+    """Everything a step's forward and sampling need, built before it runs (ModelRunner.begin)."""
+
+    inputs: StepInputs
+    lora: LoraHook | None
+    batch: SamplingBatch | None  # None: no row samples this step
+    masks: object | None = None  # the grammar masks being filled (grammar.MaskFiller.start), if any row is guided
+
+
+@dataclass(slots=True)
 class CopyStats:
     """What a step's block copies moved, and the wall time of the host <-> device ones."""
 
@@ -247,6 +257,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, adapters=None) -> tuple[StepInputs, SamplerOutput | None]:
+        step = self.begin(plan, adapters)
+        return step.inputs, self.run(step)
+
+    @torch.inference_mode()
+    def begin(self, plan: StepPlan, adapters=None) -> PreparedStep:
+        """A step's CPU-side work before its forward: input tensors, LoRA plan, sampling batch (and the grammar
+        masks, filled on a thread while the forward runs). Async scheduling (overlap.py) calls it while the
+        previous step's forward runs; it reads sequence state only, never the KV tensors."""
         inputs = self.prepare(plan)
         lora: LoraHook | None = None
         if inputs.has_lora:
@@ -255,15 +273,22 @@ class ModelRunner:
             lora = StepLora(adapters, inputs.token_slots, inputs.lora_runs)
         guided = [row for row, s in enumerate(inputs.sampled) if s.seq.matcher is not None]
         masks = self._mask_filler().start([inputs.sampled[r].seq.matcher for r in guided]) if guided else None
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
-        if not inputs.sampled:
-            return inputs, None
-        logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
-        batch = self.sampling_batch(inputs.sampled)
-        if masks is not None:  # filled while the forward ran (grammar.MaskFiller)
+        batch = self.sampling_batch(inputs.sampled) if inputs.sampled else None
+        if masks is not None:
             batch.guided_rows = torch.tensor(guided, dtype=torch.int64, device=self.device)
-            batch.bitmask = masks.result().to(self.device, non_blocking=True)
-        return inputs, sample(logits, batch)
+        return PreparedStep(inputs, lora, batch, masks)
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> SamplerOutput | None:
+        """The forward and the sampling of a prepared step: tensors only, no sequence state."""
+        inputs = step.inputs
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, step.lora)
+        if step.batch is None:
+            return None
+        logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
+        if step.masks is not None:  # filled while the forward ran (grammar.MaskFiller)
+            step.batch.bitmask = step.masks.result().to(self.device, non_blocking=True)
+        return sample(logits, step.batch)
 
     def _mask_filler(self) -> MaskFiller:
         if self._masks is None:

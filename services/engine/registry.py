@@ -96,6 +96,8 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
     try:
         while not stop.is_set():
             try:
+                if await async_engine.op("is_draining"):  # drained through another front-end: leave now
+                    break
                 snap = EngineSnapshot.model_validate_json(
                     await async_engine.op("registry_snapshot", url, uptime, engine_type))
                 async with client.pipeline(transaction=False) as pipe:

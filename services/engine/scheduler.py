@@ -33,11 +33,12 @@ class ScheduledSeq:
     num_new_tokens: int
     block_table: tuple[int, ...]
     lora_slot: int  # -1 = base model
+    # True when this step computes the sequence's last known token, so a new one is sampled. Fixed when the
+    # step is planned: with async scheduling (overlap.py) the sequence grows before this step is post-processed.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last known token, so a new one is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.num_new_tokens == self.seq.num_tokens)
 
 
 @dataclass(slots=True)

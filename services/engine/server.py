@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
-from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage, check_wire_version
+from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage,
+                                        check_wire_version)
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from services.common.internal_auth import InternalAuthMiddleware
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
@@ -150,15 +151,20 @@ class EngineServer:
         return {"status": "ok"}
 
     async def ready(self):
+        if self.engine.alive and not self.draining and await self.engine.op("is_draining"):
+            self.draining = True  # another front-end of this engine was told to drain
         if not self.engine.alive or self.draining:
             return JSONResponse({"ready": False, "draining": self.draining}, 503)
         return {"ready": True, "model": self.model_name}
 
     async def drain(self):
-        """Stop taking new requests (pod preStop): leave the registry; in-flight streams finish."""
+        """Stop taking new requests (pod preStop): on every front-end of this engine -- the drain is the core's,
+        which refuses whatever any front-end sends from now on, and the front-end that heartbeats leaves the
+        registry within a beat -- while in-flight streams finish."""
         self.draining = True
         self.stop_heartbeat.set()
-        return {"draining": True, "in_flight": self.engine.num_in_flight}
+        in_flight = await self.engine.op("drain")
+        return {"draining": True, "in_flight": in_flight}
 
     async def metrics(self):
         return Response(await self.engine.op("metrics"), media_type=CONTENT_TYPE_LATEST)
@@ -256,21 +262,35 @@ class EngineServer:
         headers = {"x-request-id": req.request_id}
         if first is not None and first.clamped_from is not None:
             headers[CLAMPED_HEADER] = str(self.engine.info.clamp_tokens)
-        return ClosingStreamingResponse(self._lines(first, outputs, ids), media_type="application/x-ndjson",
+        coalesce = request.headers.get(COALESCE_HEADER) == "1"
+        return ClosingStreamingResponse(self._lines(first, outputs, ids, coalesce), media_type="application/x-ndjson",
                                         headers=headers)
 
     async def _lines(self, first: RequestOutput | None, outputs: AsyncIterator[RequestOutput],
-                     ids: dict[str, Any]) -> AsyncIterator[bytes]:
+                     ids: dict[str, Any], coalesce: bool = False) -> AsyncIterator[bytes]:
+        """One line per step; with `coalesce`, the first step's line and then one line for all the others (a
+        caller that needs only the whole answer is spared a line, a JSON encode and a write per token)."""
+        held: StreamItem | None = None
         try:
             out = first
             while out is not None:
-                yield self._item(out, ids).encode()
+                item = self._item(out, ids)
+                if not coalesce or out is first:
+                    yield item.encode()
+                elif held is None:
+                    held = item
+                else:
+                    held.extend(item)
                 try:
                     out = await anext(outputs, None)
                 except (InvalidRequest, EngineUnavailable) as exc:  # failed mid-stream: say so, then end
                     log.warning("request failed mid-stream", extra={**ids, "error": exc.message})
+                    if held is not None:
+                        yield held.encode()
                     yield StreamItem.failure(exc).encode()
                     return
+            if held is not None:
+                yield held.encode()
         finally:
             await outputs.aclose()
 

@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 
 from services.common.openai_protocol import Delta, Usage
-from services.common.engine_wire import GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
+from services.common.engine_wire import COALESCE_HEADER, GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
 from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineFailed, EngineUnavailable
 from services.gateway.router import EngineInfo, Router
 
@@ -91,11 +91,16 @@ async def open_choice(
     index: int,
     result: StreamResult,
     clock,
+    coalesce: bool = False,
 ) -> AsyncIterator[tuple[Delta, Usage | None]]:
-    """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream."""
+    """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream. `coalesce`:
+    the caller needs only the whole answer (a non-streamed request): the engine sends the first step and then
+    the rest in one line."""
     tries = _Attempts()
     body = request.encode()
     headers = {"content-type": "application/json", "x-request-id": request.request_id, WIRE_HEADER: str(WIRE_VERSION)}
+    if coalesce:
+        headers[COALESCE_HEADER] = "1"
     for engine in engines:
         if not router.admit(engine.id):
             tries.last_error = f"engine {engine.id} is failing (circuit open)"

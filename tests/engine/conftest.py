@@ -54,6 +54,7 @@ def make_config(
     prompt_sharing: bool = True,
     kv_dtype: str = "auto",
     failpoints: tuple[tuple[str, int], ...] = (),
+    async_scheduling: bool = False,
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -67,6 +68,7 @@ def make_config(
                         cpu_kernel=lora_kernel),
         cpu_attention=cpu_attention,
         failpoints=failpoints,
+        async_scheduling=async_scheduling,
     )
 
 

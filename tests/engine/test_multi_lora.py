@@ -366,3 +366,13 @@ def test_a_request_starved_of_a_slot_gets_one_while_the_other_slots_keep_batchin
                 admitted_after[s.adapter.name] += 1
     assert min(admitted_after.values()) > 0, admitted_after
     engine.check_integrity()
+
+
+def test_async_scheduling_more_adapters_than_slots_with_preemption(demo_kit, workload, refs_of, peft_refs):
+    """Async scheduling (overlap.py): adapter slots acquired and loaded while the previous forward runs."""
+    need = max(len(p) + MAX_NEW for _, p in workload)
+    engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
+                         num_blocks=need // 4 + 30, preemption_mode="recompute", async_scheduling=True)
+    _check("lora-async", engine, workload, refs_of, peft_refs)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.adapters.slot_loads > len({a for a, _ in workload if a})

@@ -270,3 +270,28 @@ def test_batch_prompts_held_for_interactive_first_tokens(demo_kit, prompts, refe
         log.check(f"r{i}", out[f"r{i}"], ref)
     log.write()
     assert any(held)  # batch prompts really were held back for interactive ones
+
+
+# -- the same oracle with async scheduling (overlap.py): step N+1 planned while step N's forward runs ---------
+@pytest.mark.parametrize("variant", ["batch", "chunked", "recompute", "swap"])
+def test_async_scheduling(demo_kit, prompts, references, variant):
+    need = max(len(p) + MAX_NEW for p in prompts)
+    kw = {"batch": {}, "chunked": {"block_size": 4, "budget": 7},
+          "recompute": {"block_size": 4, "num_blocks": need // 4 + 12, "budget": 64, "preemption_mode": "recompute"},
+          "swap": {"block_size": 4, "num_blocks": need // 4 + 12, "budget": 32, "preemption_mode": "swap"}}[variant]
+    engine = make_engine(demo_kit.base_dir, async_scheduling=True, **kw)
+    _check(f"async-{variant}", engine, prompts, references)
+    assert engine.overlap.times.forward > 0
+    if variant in ("recompute", "swap"):
+        assert engine.scheduler.num_preemptions > 0
+    if variant == "swap":
+        assert engine.metrics.swap_in_blocks._value.get() > 0 and engine.kv.host.num_used == 0
+
+
+def test_split_path_async_scheduling_with_swaps(demo_kit, prompts, references):
+    need = max(len(p) + MAX_NEW for p in prompts)
+    core = {}
+    _check("split-async-swap", make_config(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 12, budget=32,
+                                           preemption_mode="swap", async_scheduling=True),
+           prompts, references, counters=core)
+    assert core["preemptions"] > 0 and core["kv_used"] == 0

@@ -320,3 +320,28 @@ def test_structured_outputs_on_an_adapter_through_the_sdk(server, engine_home, d
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "response_format"  # the grammar engine's own refusal
     assert client.chat.completions.create(model="rev-s", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+
+
+def test_a_coalesced_internal_stream_is_the_same_answer_in_two_lines(server):
+    """The gateway's non-streamed requests ask for the first step and then the rest in one line
+    (COALESCE_HEADER): the same tokens, text and usage as the line-per-step stream."""
+    from services.common.engine_wire import COALESCE_HEADER, GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
+    from services.common.wire import SamplingParams
+
+    def run(coalesce: bool) -> list[StreamItem]:
+        body = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3, 4, 5],
+                               sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                       logprobs=1)).encode()
+        headers = {**AUTH, WIRE_HEADER: str(WIRE_VERSION), "content-type": "application/json"}
+        if coalesce:
+            headers[COALESCE_HEADER] = "1"
+        r = httpx.post(f"{server}{GENERATE_PATH}", headers=headers, content=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return [StreamItem.decode(line) for line in r.content.splitlines() if line.strip()]
+
+    steps, whole = run(False), run(True)
+    assert len(steps) == 12 and len(whole) == 2
+    for key in ("token_ids", "logprobs"):
+        assert [x for i in steps for x in getattr(i, key)] == [x for i in whole for x in getattr(i, key)]
+    assert "".join(i.text for i in steps) == "".join(i.text for i in whole)
+    assert whole[-1].usage.completion_tokens == 12 and whole[-1].finish_reason == steps[-1].finish_reason == "length"

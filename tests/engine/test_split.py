@@ -205,3 +205,33 @@ def _pids(log) -> tuple[int, int]:
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_drain_through_one_front_end_stops_admission_on_every_front_end(tiny_model):
+    """`/drain` reaches one front-end of several (they share the listening socket): the drain is the core's, so
+    the other front-ends' new requests are refused as draining (retryable elsewhere), their /ready says so,
+    and the requests already in flight on any front-end finish."""
+    from services.engine.server import EngineServer
+
+    async def main():
+        async with split_engine(make_config(tiny_model), frontend="fe-0") as (first, _):
+            other = CoreClient(first.address, "fe-1")
+            await other.open()
+            params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            running = first.generate("long", [5, 6, 7, 8], params)
+            head = await anext(running)
+            server = EngineServer(first, registry_url=None, advertise_url=None)
+            assert (await server.ready())["ready"] is True
+            assert await other.op("drain") == 1  # drained through the other front-end
+            with pytest.raises(EngineUnavailable) as refused:
+                await collect(first, "late", [9, 10, 11], params)
+            assert refused.value.code == "engine_draining"
+            assert (await server.ready()).status_code == 503 and server.draining
+            tokens = list(head.new_token_ids)
+            async for out in running:
+                tokens += out.new_token_ids
+            assert len(tokens) == 40  # in flight when the drain came: finished whole
+            assert await first.op("num_in_flight") == 0 and await first.op("is_draining")
+            await other.close()
+
+    asyncio.run(main())

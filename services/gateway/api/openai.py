@@ -245,7 +245,7 @@ async def open_streams(call: Call, req) -> list[AsyncIterator]:
         first_of_prompt.add(id(job.prompt_ids))
         rid = call.request_id if len(plan.jobs) == 1 else f"{call.request_id}.{job.index}"
         wire = _wire_request(gw, principal, req, job, adapter, rid, call.client_request_id)
-        streams.append(_choice(gw, order, wire, job.index, result, counts_prompt))
+        streams.append(_choice(gw, order, wire, job.index, result, counts_prompt, coalesce=not req.stream))
     return streams
 
 
@@ -286,9 +286,11 @@ def _wire_request(gw, principal, req, job, adapter, request_id: str, client_id: 
     )
 
 
-def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, counts_prompt: bool):
+def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, counts_prompt: bool,
+            coalesce: bool = False):
     async def gen():
-        async for delta, usage in open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic):
+        async for delta, usage in open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic,
+                                              coalesce):
             if usage is not None and not counts_prompt:
                 usage = Usage(0, usage.completion_tokens, 0)  # a prompt counts once, however many choices it has
             yield delta, usage
