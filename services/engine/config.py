@@ -286,6 +286,39 @@ class LoraConfig:
             raise ConfigError("max_lora_rank must be in 1..512")
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (services/engine/spec/): a drafter proposes up to `num_speculative_tokens` tokens per
+    decoding sequence and the same forward verifies them. Off by default; the controller sizes each
+    sequence's draft from its measured acceptance and shrinks it as the batch fills (`max_running`: no
+    speculation from that many running sequences on, nor while requests wait for admission)."""
+
+    method: str = "off"  # "off" | "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # A draft token at depth j is proposed while its estimated chance of acceptance (rate ** j) is at least
+    # this, raised towards 1 as the batch fills.
+    accept_threshold: float = 0.3
+    max_running: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram"):
+            raise ConfigError(f"speculative method must be off or ngram, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")
+        if not 0 < self.accept_threshold < 1:
+            raise ConfigError("accept_threshold must be in (0, 1)")
+        if self.max_running < 1:
+            raise ConfigError("max_running must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 FAILPOINTS = ("step_error", "crash")
 
 
@@ -315,6 +348,7 @@ class EngineConfig:
     # whose sequences hold the token id of `step_error` raises in the forward, of `crash` kills the
     # process as a native kernel fault would. See FAILPOINTS.
     failpoints: tuple[tuple[str, int], ...] = ()
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for name, _ in self.failpoints:

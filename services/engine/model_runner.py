@@ -5,6 +5,7 @@ the plan: block tables and how many tokens each sequence computes.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from services.engine.model.layers import LoraHook
 from services.engine.model.llama import LlamaModel
 from services.engine.sampler import SamplerOutput, SamplingBatch, sample
 from services.engine.scheduler import ScheduledSeq, StepPlan
+from services.engine.spec.verify import sample_rows as verify_rows
 
 
 @dataclass(slots=True)
@@ -158,7 +160,8 @@ class ModelRunner:
         scheduled = plan.scheduled
         ids: list[int] = []
         for s in scheduled:
-            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.draft)])
+            ids.extend(s.draft)  # speculative rows: verified by sampling every one of their positions
         n_seqs = len(scheduled)
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
         lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
@@ -198,8 +201,8 @@ class ModelRunner:
                     self.model.dtype,
                 )
             )
-        samples = torch.tensor([s.samples for s in scheduled], dtype=torch.bool)
-        sample_rows = (offsets + lens - 1)[samples]
+        num_samples = torch.tensor([s.samples * (1 + len(s.draft)) for s in scheduled], dtype=torch.int64)
+        sample_rows = verify_rows(offsets + lens, num_samples)
         slot_list = [s.lora_slot for s in scheduled]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         has_lora = max(slot_list) >= 0
@@ -218,15 +221,18 @@ class ModelRunner:
         )
 
     def sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
-        params = [s.seq.params for s in sampled]
+        """One row per sampled position: a sequence with a k-token draft has k + 1, the j-th sampling output
+        position n + j (its counter, and its min_tokens ban) as plain decoding would (spec/verify.py)."""
+        reps = [1 + len(s.draft) for s in sampled]
+        params = [s.seq.params for s, r in zip(sampled, reps) for _ in range(r)]
         temps = [p.temperature for p in params]
         top_p = [p.top_p for p in params]
         top_k = [max(p.top_k, 0) for p in params]
+        counters = [s.seq.num_output_tokens + j for s, r in zip(sampled, reps) for j in range(r)]
         banned_rows: list[int] = []
         banned_cols: list[int] = []
-        for row, s in enumerate(sampled):
-            p = s.seq.params
-            if s.seq.num_output_tokens < p.min_tokens:
+        for row, (p, n) in enumerate(zip(params, counters)):
+            if n < p.min_tokens:
                 for tok in (*self.eos_token_ids, *p.stop_token_ids):
                     banned_rows.append(row)
                     banned_cols.append(tok)
@@ -236,8 +242,8 @@ class ModelRunner:
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            seeds=torch.tensor([s.seq.seed for s in sampled], dtype=torch.int64, device=dev),
-            counters=torch.tensor([s.seq.num_output_tokens for s in sampled], dtype=torch.int64, device=dev),
+            seeds=torch.tensor([s.seq.seed for s, r in zip(sampled, reps) for _ in range(r)], dtype=torch.int64, device=dev),
+            counters=torch.tensor(counters, dtype=torch.int64, device=dev),
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=dev) if banned_rows else None,
             banned_cols=torch.tensor(banned_cols, dtype=torch.int64, device=dev) if banned_rows else None,
             num_logprobs=max(logprobs) if logprobs else -1,
@@ -261,7 +267,9 @@ class ModelRunner:
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
         batch = self.sampling_batch(inputs.sampled)
         if masks is not None:  # filled while the forward ran (grammar.MaskFiller)
-            batch.guided_rows = torch.tensor(guided, dtype=torch.int64, device=self.device)
+            # Constrained sequences get no draft (spec/controller.py): one row each, after others' drafts.
+            first = list(itertools.accumulate((1 + len(s.draft) for s in inputs.sampled), initial=0))
+            batch.guided_rows = torch.tensor([first[r] for r in guided], dtype=torch.int64, device=self.device)
             batch.bitmask = masks.result().to(self.device, non_blocking=True)
         return inputs, sample(logits, batch)
 

@@ -1,0 +1,94 @@
+"""How much to speculate: per sequence from its measured acceptance, for the batch from how full it is.
+
+Before each step the controller sets `seq.spec_draft` on every running sequence (empty for most); the
+scheduler fits those drafts into the step (scheduler._fit_draft), the forward verifies them, and the
+engine reports back what was accepted (`observe`). Speculation spends spare compute: none while
+requests wait for admission (their prefills need the budget), less as the running batch grows, none
+from `max_running` sequences on.
+"""
+from __future__ import annotations
+
+import math
+
+from services.engine.config import SpeculativeConfig
+from services.engine.sequence import Sequence
+from services.engine.spec.drafter import Drafter, make_drafter
+
+DECAY = 0.7  # weight of the past in a sequence's acceptance estimate (recent steps count most)
+PROBE_EVERY = 8  # a sequence whose estimate says "do not draft" still drafts one token this often
+
+
+class SpecController:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None):
+        self.config = config
+        self.drafter = drafter or make_drafter(config)
+
+    def propose(self, running: list[Sequence], num_waiting: int, budget: int, max_model_len: int) -> int:
+        """Set this step's draft of every running sequence; returns the number of draft tokens proposed."""
+        cfg = self.config
+        for seq in running:
+            seq.spec_draft = ()
+        n = len(running)
+        if num_waiting or n >= cfg.max_running or n == 0:
+            return 0
+        # The bar a draft token must clear rises with occupancy: at max_running spare compute is gone.
+        threshold = cfg.accept_threshold + (1 - cfg.accept_threshold) * n / cfg.max_running
+        spare = budget - n  # tokens left beside one decode row per sequence
+        asked: list[Sequence] = []
+        ks: list[int] = []
+        for seq in running:
+            k = self._k(seq, threshold, max_model_len)
+            if k > 0 and spare > 0:
+                k = min(k, spare)
+                spare -= k
+                asked.append(seq)
+                ks.append(k)
+        if not asked:
+            return 0
+        total = 0
+        for seq, draft in zip(asked, self.drafter.propose(asked, ks), strict=True):
+            seq.spec_draft = draft
+            total += len(draft)
+        return total
+
+    def _k(self, seq: Sequence, threshold: float, max_model_len: int) -> int:
+        """Draft length for one decoding sequence: the depth at which rate ** depth falls below the bar,
+        capped so that a fully accepted step never passes max_tokens or the context."""
+        p = seq.params
+        if seq.num_tokens - seq.num_computed_tokens != 1 or seq.matcher is not None:
+            return 0  # mid-prefill; or constrained output, whose grammar would need a mask per draft position
+        cap = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                  max_model_len - seq.num_tokens)
+        if cap <= 0:
+            return 0
+        rate = acceptance_rate(seq)
+        if rate >= 1.0:
+            k = cap
+        elif rate <= 0.0:
+            k = 0
+        else:
+            k = int(math.log(threshold) / math.log(rate))
+        if k <= 0:
+            seq.spec_idle_steps += 1
+            if seq.spec_idle_steps < PROBE_EVERY:
+                return 0
+            k = 1  # probe: a sequence's copy phase may start late (a quote after a preamble)
+        seq.spec_idle_steps = 0
+        return min(k, cap)
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified step: `accepted` of `drafted` tokens matched. Each accepted token is a success and
+        the first rejection (if any) a failure of the per-token acceptance estimate."""
+        seq.spec_drafted += drafted
+        seq.spec_accepted += accepted
+        seq.spec_hits = DECAY * seq.spec_hits + accepted
+        seq.spec_trials = DECAY * seq.spec_trials + accepted + (accepted < drafted)
+
+    def forget(self, request_id: str) -> None:
+        self.drafter.forget(request_id)
+
+
+def acceptance_rate(seq: Sequence) -> float:
+    """Estimated chance that the next draft token is accepted (optimistic before any evidence)."""
+    prior_hits, prior_trials = 0.8, 1.0
+    return (seq.spec_hits + prior_hits) / (seq.spec_trials + prior_trials)
