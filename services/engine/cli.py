@@ -46,10 +46,14 @@ def serve(
                                   "(0: the HTTP server shares the core's process, as before the split)"),
     core_threads: int = typer.Option(0, min=0, help="torch threads of the engine core (0: torch's default, "
                                      "which follows OMP_NUM_THREADS)"),
+    speculative: str = typer.Option("off", help="Speculative decoding: off | ngram (prompt lookup; lossless, "
+                                    "adaptive per sequence and to load)"),
+    num_speculative_tokens: int = typer.Option(4, help="Most draft tokens per sequence and step"),
+    speculative_max_running: int = typer.Option(32, help="No speculation from this many running sequences on"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
-    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig
 
     settings = get_settings()
     config = EngineConfig(
@@ -72,6 +76,8 @@ def serve(
         adapter_base_names=_base_names(model, served_model_name),
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
+        speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
+                                      max_running=speculative_max_running),
     )
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:
