@@ -359,3 +359,19 @@ def test_ngram_drafter_end_to_end_on_repetitive_output(tiny_model):
     spec = run(engine, reqs)
     assert {k: v["tokens"] for k, v in spec.items()} == {k: v["tokens"] for k, v in plain.items()}
     assert sum(v["last"].num_draft_tokens for v in spec.values()) > 0
+
+
+def test_constrained_rows_decode_plainly_beside_speculating_rows(tiny_model):
+    """Grammar-constrained requests get no draft (a mask per draft position is not built yet): they
+    decode one token a step, with their masks on the right rows, beside rows that speculate."""
+    from services.common.structured import GUIDE_JSON_OBJECT, Guide
+
+    guide = Guide(GUIDE_JSON_OBJECT).text
+    reqs = []
+    for i, p in enumerate(prompts(10, seed=8)):
+        params = greedy(30) if i % 2 else SamplingParams(max_tokens=30, temperature=1.0, seed=i, guide=guide)
+        reqs.append({"id": f"g{i}", "prompt": p, "params": params})
+    engine, plain, spec = compare_with_plain(make_config(tiny_model), reqs, min_drafts=10)
+    for i, r in enumerate(reqs):
+        last = spec[r["id"]]["last"]
+        assert (last.num_draft_tokens == 0) == (i % 2 == 0)
