@@ -301,6 +301,8 @@ class SpeculativeConfig:
     # this, raised towards 1 as the batch fills.
     accept_threshold: float = 0.3
     max_running: int = 32
+    # Where speculation is on: "base" and adapter content ids that passed the gate (spec/gate.py); None = all.
+    enabled_for: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram"):

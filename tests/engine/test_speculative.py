@@ -375,3 +375,24 @@ def test_constrained_rows_decode_plainly_beside_speculating_rows(tiny_model):
     for i, r in enumerate(reqs):
         last = spec[r["id"]]["last"]
         assert (last.num_draft_tokens == 0) == (i % 2 == 0)
+
+
+def test_gate_turns_speculation_on_only_where_it_passed(tiny_model, tmp_path):
+    """The gate's verdict lists the sets (base / adapter content ids) where outputs agreed and the gain
+    reached the bar; an engine speculates only for those. (The gain itself is a timing: the test sets the
+    bar at 0 and at an unreachable value, and asserts the bookkeeping, not the speed.)"""
+    from services.engine.kv_gate import KvEvalSet
+    from services.engine.spec.gate import check_speculation, enabled_keys, record_verdict
+
+    span = [21, 34, 55, 89, 144, 233, 377, 61]
+    sets = [KvEvalSet("base", [span * 3 + [i] for i in range(3)])]
+    ok = check_speculation(tiny_model, sets, min_gain=0.0, max_new_tokens=16)
+    assert ok.per_set["base"]["token_agreement"] == 1.0 and ok.enabled == ["base"]
+    assert check_speculation(tiny_model, sets, min_gain=1e9, max_new_tokens=16).enabled == []
+    assert enabled_keys(tmp_path, tiny_model, "ngram") is None
+    record_verdict(tmp_path, tiny_model, ok)
+    assert enabled_keys(tmp_path, tiny_model, "ngram") == ("base",)
+    # enabled_for without "base": base rows never draft.
+    engine = LLMEngine(spec_config(make_config(tiny_model), enabled_for=("some-adapter-content-id",)))
+    res = run(engine, [{"id": "x", "prompt": span * 4, "params": greedy(20)}])
+    assert res["x"]["last"].num_draft_tokens == 0

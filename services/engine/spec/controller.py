@@ -57,6 +57,9 @@ class SpecController:
         p = seq.params
         if seq.num_tokens - seq.num_computed_tokens != 1 or seq.matcher is not None:
             return 0  # mid-prefill; or constrained output, whose grammar would need a mask per draft position
+        allowed = self.config.enabled_for
+        if allowed is not None and (seq.adapter.content_id if seq.adapter else "base") not in allowed:
+            return 0  # the gate (spec/gate.py) did not find speculation exact and worth it for this model/adapter
         cap = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                   max_model_len - seq.num_tokens)
         if cap <= 0:
