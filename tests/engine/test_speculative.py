@@ -396,3 +396,35 @@ def test_gate_turns_speculation_on_only_where_it_passed(tiny_model, tmp_path):
     engine = LLMEngine(spec_config(make_config(tiny_model), enabled_for=("some-adapter-content-id",)))
     res = run(engine, [{"id": "x", "prompt": span * 4, "params": greedy(20)}])
     assert res["x"]["last"].num_draft_tokens == 0
+
+
+def test_split_path_multi_token_deltas_keep_stops_and_usage(tiny_model):
+    """Through a core process (the front-end detokenizes and matches stop strings): a delta carrying an
+    accepted draft is cut at a stop string inside it, and usage counts only the tokens shown."""
+    import asyncio
+
+    from tests.engine.conftest import collect, split_engine
+
+    span = [21, 34, 55, 89, 144, 233, 377, 61, 99, 120]
+    reqs = [{"id": f"p{i}", "prompt": span * 4 + [30 + i], "params": greedy(40)} for i in range(6)]
+    config = make_config(tiny_model)
+    plain = run(LLMEngine(config), reqs)
+    for r in reqs:  # a stop string from the middle of each plain output
+        text = plain[r["id"]]["text"]
+        r["params"] = greedy(40, stop=(text[len(text) // 2: len(text) // 2 + 2],))
+    plain_engine = LLMEngine(config)
+    plain = run(plain_engine, reqs)
+
+    async def main():
+        async with split_engine(spec_config(config)) as (client, _):
+            outs = await asyncio.gather(*(collect(client, r["id"], r["prompt"], r["params"]) for r in reqs))
+            counters = await client.op("counters")
+            return outs, counters
+
+    outs, counters = asyncio.run(main())
+    assert counters["steps"] < plain_engine.stats.steps  # drafts were accepted: fewer steps for the same tokens
+    for r, o in zip(reqs, outs):
+        p = plain[r["id"]]
+        assert o.new_token_ids == p["tokens"] and o.new_text == p["text"], r["id"]
+        assert o.finish_reason == p["last"].finish_reason
+        assert o.num_output_tokens == len(o.new_token_ids)
