@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig
 from services.engine.core_client import CoreClient
 from services.engine.core_process import run_core
 from services.engine.engine import LLMEngine, RequestOutput
@@ -54,6 +54,7 @@ def make_config(
     prompt_sharing: bool = True,
     kv_dtype: str = "auto",
     failpoints: tuple[tuple[str, int], ...] = (),
+    speculative: str = "off",
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -67,6 +68,7 @@ def make_config(
                         cpu_kernel=lora_kernel),
         cpu_attention=cpu_attention,
         failpoints=failpoints,
+        speculative=SpeculativeConfig(method=speculative),
     )
 
 
@@ -150,3 +152,9 @@ def run_all(engine: LLMEngine, requests: list[dict]) -> dict[str, list[int]]:
             engine.wake.clear()
     engine.check_integrity()
     return out
+
+
+def spec_tokens(engine: LLMEngine, kind: str = "accepted") -> float:
+    """Speculative draft ("draft") or accepted ("accepted") tokens of finished requests, over all adapters."""
+    return sum(s.value for m in engine.metrics.registry.collect() if m.name == "mplex_engine_spec_tokens"
+               for s in m.samples if s.name.endswith("_total") and s.labels.get("kind") == kind)

@@ -19,7 +19,7 @@ from services.engine.sequence import AdapterRef, SamplingParams
 from services.engine.spec.controller import SpecController
 from services.engine.spec.drafter import NgramDrafter
 from services.engine.spec.verify import accepted_lengths, sample_rows
-from tests.engine.conftest import make_config, record_swaps
+from tests.engine.conftest import make_config, spec_tokens
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
 
@@ -339,6 +339,7 @@ def test_billing_counts_only_emitted_tokens(tiny_model):
         assert spec[rid]["last"].num_prompt_tokens == plain[rid]["last"].num_prompt_tokens
     drafted = sum(v["last"].num_draft_tokens for v in spec.values())
     accepted = sum(v["last"].num_accepted_tokens for v in spec.values())
+    assert spec_tokens(engine, "draft") == drafted and spec_tokens(engine, "accepted") == accepted
     m = engine.metrics.registry
     assert m.get_sample_value("mplex_engine_spec_tokens_total",
                               {"model": engine.config.model_name, "adapter": "base", "kind": "draft"}) == drafted
