@@ -298,9 +298,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # A draft token at depth j is proposed while its estimated chance of acceptance (rate ** j) is at least
-    # this, raised towards 1 as the batch fills.
-    accept_threshold: float = 0.3
+    # the controller's cost-model bar (spec/controller.py), and never below this floor.
+    accept_threshold: float = 0.2
     max_running: int = 32
+    # False: draft lengths from acceptance alone, with no measured-cost or payoff gating (tests, benchmarks
+    # of the mechanism); max_running and waiting requests still turn speculation off.
+    adaptive_to_load: bool = True
     # Where speculation is on: "base" and adapter content ids that passed the gate (spec/gate.py); None = all.
     enabled_for: tuple[str, ...] | None = None
 

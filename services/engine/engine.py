@@ -229,6 +229,7 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
         failed = self._fail_adapter_loads()
         self._prefetch_adapters()
         if self.spec is not None:
@@ -266,6 +267,10 @@ class LLMEngine:
         finished = self.scheduler.num_finished - self._finished_seen
         self._finished_seen = self.scheduler.num_finished
         self.load.observe(self.scheduler, time.perf_counter() - t0, finished)
+        if self.spec is not None:  # the whole step, drafting and output handling included: what a draft costs
+            self.spec.observe_step(plan.num_batched_tokens, time.perf_counter() - t_start,
+                                   sum(len(o.new_token_ids) for o in outputs),
+                                   all(s.num_new_tokens - len(s.draft) == 1 for s in plan.scheduled))
         self._update_gauges()
         return failed + outputs
 

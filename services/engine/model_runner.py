@@ -22,6 +22,7 @@ from services.engine.model.llama import LlamaModel
 from services.engine.sampler import SamplerOutput, SamplingBatch, sample
 from services.engine.scheduler import ScheduledSeq, StepPlan
 from services.engine.spec.verify import sample_rows as verify_rows
+from services.engine.spec.verify import split_verify_rows
 
 
 @dataclass(slots=True)
@@ -173,29 +174,33 @@ class ModelRunner:
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         ctx = starts + lens
 
+        # A draft's k + 1 query rows attend as k + 1 decode rows at consecutive positions: the decode kernel
+        # plain decoding uses, so each verified position is computed as plain decoding would compute it.
+        a_offsets, a_lens, a_ctx, a_tables = split_verify_rows(offsets, lens, ctx, tables,
+                                                               [bool(s.draft) for s in scheduled])
         groups: list[AttnGroup | DecodeGroup] = []
         if self.attention_kernel is not None:
-            decode = (lens == 1).nonzero().squeeze(1)
+            decode = (a_lens == 1).nonzero().squeeze(1)
             if decode.numel():
-                d_ctx = ctx[decode]
+                d_ctx = a_ctx[decode]
                 groups.append(DecodeGroup(
-                    rows=offsets[decode].to(dev), context_lens=d_ctx.to(dev),
-                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous().to(dev),
+                    rows=a_offsets[decode].to(dev), context_lens=d_ctx.to(dev),
+                    block_tables=a_tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous().to(dev),
                     kernel=self.attention_kernel, sliding_window=self.model.config.sliding_window,
                     num_threads=torch.get_num_threads(),
                 ))
-            buckets = _prefill_buckets(lens, ctx, bs)
+            buckets = _prefill_buckets(a_lens, a_ctx, bs)
         else:
-            buckets = _attention_buckets(lens, ctx, bs)
+            buckets = _attention_buckets(a_lens, a_ctx, bs)
         for sel in buckets:
-            g_ctx = ctx[sel]
+            g_ctx = a_ctx[sel]
             nblocks = int((g_ctx.max() + bs - 1) // bs)
             groups.append(
                 build_group(
-                    offsets[sel].to(dev),
-                    lens[sel].to(dev),
+                    a_offsets[sel].to(dev),
+                    a_lens[sel].to(dev),
                     g_ctx.to(dev),
-                    tables[sel, :nblocks].to(dev),
+                    a_tables[sel, :nblocks].to(dev),
                     bs,
                     self.model.config.sliding_window,
                     self.model.dtype,

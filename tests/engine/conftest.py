@@ -68,7 +68,8 @@ def make_config(
                         cpu_kernel=lora_kernel),
         cpu_attention=cpu_attention,
         failpoints=failpoints,
-        speculative=SpeculativeConfig(method=speculative),
+        # Draft lengths from acceptance only: which steps speculate must not depend on this machine's speed.
+        speculative=SpeculativeConfig(method=speculative, adaptive_to_load=False),
     )
 
 

@@ -2,8 +2,14 @@
 
 Before each step the controller sets `seq.spec_draft` on every running sequence (empty for most); the
 scheduler fits those drafts into the step (scheduler._fit_draft), the forward verifies them, and the
-engine reports back what was accepted (`observe`). Speculation spends spare compute: none while
-requests wait for admission (their prefills need the budget), less as the running batch grows, none
+engine reports back what was accepted (`observe`) and what the step cost (`observe_step`).
+
+When a draft token pays: a step costs about `fixed + per_token * tokens` (fitted online, StepCostModel).
+With n sequences decoding, an emitted token is worth the step's cost per sequence, fixed / n + per_token;
+the j-th draft token of a sequence costs per_token and is emitted with probability rate ** j. So a draft
+is extended while rate ** j >= per_token / (fixed / n + per_token): deep drafts alone in the batch (the
+fixed cost dominates), shorter as n grows, none once the bar passes every sequence's rate -- the busy case
+costs nothing. Besides: none while requests wait for admission (their prefills need the budget) and none
 from `max_running` sequences on.
 """
 from __future__ import annotations
@@ -13,15 +19,65 @@ import math
 from services.engine.config import SpeculativeConfig
 from services.engine.sequence import Sequence
 from services.engine.spec.drafter import Drafter, make_drafter
+from services.engine.spec.payoff import PayoffTracker, bucket
 
 DECAY = 0.7  # weight of the past in a sequence's acceptance estimate (recent steps count most)
 PROBE_EVERY = 8  # a sequence whose estimate says "do not draft" still drafts one token this often
+
+
+class StepCostModel:
+    """Step wall time ~ fixed + per_token * tokens: exponentially weighted least squares over the steps seen,
+    starting from a prior (two pseudo-steps on the line measured on the development VM: ~2.2 ms + ~0.065 ms
+    per token) that a few dozen real steps outweigh."""
+
+    def __init__(self, fixed: float = 2.2e-3, per_token: float = 6.5e-5, decay: float = 0.99, prior_weight: float = 2.0):
+        self.decay = decay
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        for tokens in (1.0, 64.0):
+            self._add(tokens, fixed + per_token * tokens, prior_weight)
+
+    def _add(self, tokens: float, seconds: float, weight: float) -> None:
+        self.w += weight
+        self.x += weight * tokens
+        self.y += weight * seconds
+        self.xx += weight * tokens * tokens
+        self.xy += weight * tokens * seconds
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y, self.xx, self.xy = d * self.w, d * self.x, d * self.y, d * self.xx, d * self.xy
+        self._add(float(tokens), seconds, 1.0)
+
+    def estimate(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token), both kept positive."""
+        var = self.xx - self.x * self.x / self.w
+        slope = (self.xy - self.x * self.y / self.w) / var if var > 1e-9 else 0.0
+        slope = max(slope, 1e-7)
+        fixed = max((self.y - slope * self.x) / self.w, 1e-6)
+        return fixed, slope
 
 
 class SpecController:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None):
         self.config = config
         self.drafter = drafter or make_drafter(config)
+        self.cost = StepCostModel()
+        self.payoff = PayoffTracker()
+        self._step: tuple[int, bool] | None = None  # (bucket, speculated) of the step being proposed
+
+    def observe_step(self, tokens: int, seconds: float, emitted: int, decode_only: bool) -> None:
+        """The step's computed tokens, wall time (drafting and output handling included) and emitted tokens."""
+        self.cost.observe(tokens, seconds)
+        if self._step is not None and decode_only:
+            self.payoff.observe(*self._step, emitted, seconds)
+        self._step = None
+
+    def threshold(self, n: int) -> float:
+        """The acceptance probability a draft token needs to pay for itself with n sequences decoding."""
+        if not self.config.adaptive_to_load:
+            return self.config.accept_threshold
+        fixed, per_token = self.cost.estimate()
+        return max(self.config.accept_threshold, per_token / (fixed / n + per_token))
 
     def propose(self, running: list[Sequence], num_waiting: int, budget: int, max_model_len: int) -> int:
         """Set this step's draft of every running sequence; returns the number of draft tokens proposed."""
@@ -31,8 +87,11 @@ class SpecController:
         n = len(running)
         if num_waiting or n >= cfg.max_running or n == 0:
             return 0
-        # The bar a draft token must clear rises with occupancy: at max_running spare compute is gone.
-        threshold = cfg.accept_threshold + (1 - cfg.accept_threshold) * n / cfg.max_running
+        threshold = self.threshold(n)
+        b = bucket(n)
+        if threshold >= 1.0 or (cfg.adaptive_to_load and not self.payoff.pays(b)):
+            self._step = (b, False)
+            return 0
         spare = budget - n  # tokens left beside one decode row per sequence
         asked: list[Sequence] = []
         ks: list[int] = []
@@ -43,12 +102,12 @@ class SpecController:
                 spare -= k
                 asked.append(seq)
                 ks.append(k)
-        if not asked:
-            return 0
         total = 0
-        for seq, draft in zip(asked, self.drafter.propose(asked, ks), strict=True):
-            seq.spec_draft = draft
-            total += len(draft)
+        if asked:
+            for seq, draft in zip(asked, self.drafter.propose(asked, ks), strict=True):
+                seq.spec_draft = draft
+                total += len(draft)
+        self._step = (b, total > 0)
         return total
 
     def _k(self, seq: Sequence, threshold: float, max_model_len: int) -> int:
@@ -93,5 +152,5 @@ class SpecController:
 
 def acceptance_rate(seq: Sequence) -> float:
     """Estimated chance that the next draft token is accepted (optimistic before any evidence)."""
-    prior_hits, prior_trials = 0.8, 1.0
+    prior_hits, prior_trials = 0.4, 0.5
     return (seq.spec_hits + prior_hits) / (seq.spec_trials + prior_trials)

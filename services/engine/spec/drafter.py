@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from services.engine.config import SpeculativeConfig
 
@@ -71,16 +70,24 @@ class NgramDrafter:
 
     def _one(self, seq: DraftRequest, k: int) -> tuple[int, ...]:
         t = self._tokens(seq)
-        length = len(t)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows t[i:i+n] for i <= length-n-1: each has at least one token after it.
-            windows = sliding_window_view(t[: length - 1], n)
-            hits = np.flatnonzero((windows == t[length - n :]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tuple(t[start : start + k].tolist())
-        return ()
-
+        last = len(t) - 1
+        # Earlier occurrences of the last token (each with a token after it), then how far each match
+        # extends backwards, up to max_n: one pass over the sequence, then a few ops over the candidates.
+        cand = np.flatnonzero(t[:last] == t[last])
+        if cand.size == 0:
+            return ()
+        length = np.ones(cand.size, dtype=np.int64)
+        alive = np.ones(cand.size, dtype=bool)
+        for m in range(1, min(self.max_n, last + 1)):
+            alive &= (cand >= m) & (t[np.maximum(cand - m, 0)] == t[last - m])
+            if not alive.any():
+                break
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return ()
+        start = int(cand[np.flatnonzero(length == best)[-1]]) + 1  # the latest of the longest matches
+        return tuple(t[start : start + k].tolist())
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     if config.method == "ngram":
