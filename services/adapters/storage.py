@@ -8,6 +8,8 @@ Layout under the root:
     evalsets/<sha256>.jsonl                          tenants' eval sets
     batches/<sha256>.jsonl                           Batch API files: inputs, outputs, error files (services.batch;
                                                      the batch_files rows own them, not the adapter retention)
+    batches/parts/<batch>/<seq>.jsonl                a running batch's results, written as lines finish (the one
+                                                     mutable kind: a part is rewritten until its row commits)
 
 Objects are immutable: a key is written once (to a temporary name, then renamed where the filesystem can)
 and never overwritten with different bytes. Engines read a version's prefix directly (local paths) or copy
@@ -137,6 +139,40 @@ class ObjectStore:
         self._put_immutable(Path(path), self.key_of(planned.uri))
         return planned
 
+    def put_part(self, path: Path, key: str) -> StoredObject:
+        """Write a batch result part under `key` (batches/parts/...), replacing what a writer that died before
+        recording it left there; services.batch.parts runs one writer per batch (its runner lock)."""
+        if not key.startswith("batches/parts/"):
+            raise ValueError(f"{key!r} is not a batch part key")
+        target = self._path(key)
+        parent = target.rsplit("/", 1)[0]
+        self.fs.makedirs(parent, exist_ok=True)
+        if self.local:
+            tmp = f"{parent}/{TMP_PREFIX}{uuid.uuid4().hex}"
+            self.fs.put_file(str(path), tmp)
+            os.replace(tmp, target)
+        else:
+            self.fs.put_file(str(path), target)
+        return StoredObject(file_sha256(path), self.uri(key), Path(path).stat().st_size)
+
+    def delete_parts(self, prefix: str) -> int:
+        """Remove a batch's part objects (everything under `prefix`, a batches/parts/<batch> key); returns the
+        bytes freed. Removing what is already gone is a no-op."""
+        if not prefix.startswith("batches/parts/") or ".." in prefix.split("/"):
+            raise ValueError(f"{prefix!r} is not a batch parts prefix")
+        path = self._path(prefix.rstrip("/"))
+        try:
+            names = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return 0
+        freed = sum(self._rm(p) for p in names)
+        if self.local:
+            try:
+                os.rmdir(path)
+            except (FileNotFoundError, OSError):
+                pass
+        return freed
+
     def _put_immutable(self, local: Path, key: str) -> None:
         target = self._path(key)
         if self.fs.exists(target):
@@ -184,6 +220,15 @@ class ObjectStore:
         dest.parent.mkdir(parents=True, exist_ok=True)
         self.fs.get_file(src, str(dest))
         return dest
+
+    def copy_to(self, uri: str, out) -> int:
+        """Append a blob's bytes to the open binary file `out`, in chunks; returns the bytes copied."""
+        n = 0
+        with self.fs.open(self._path(self.key_of(uri)), "rb") as f:
+            while chunk := f.read(1 << 20):
+                out.write(chunk)
+                n += len(chunk)
+        return n
 
     def read_bytes(self, uri: str, *, max_bytes: int) -> bytes:
         path = self._path(self.key_of(uri))

@@ -7,11 +7,9 @@ a session-level advisory lock, released by Postgres when the runner's connection
 """
 from __future__ import annotations
 
-import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import orjson
 from sqlalchemy import select, text, update
@@ -19,9 +17,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.adapters.storage import ObjectStore
-from services.common.batch_contract import OUTPUT_PURPOSE, TERMINAL, BatchStatus, LineState, output_line
+from services.batch import parts
+from services.common.batch_contract import TERMINAL, BatchStatus, LineState, output_line
 from services.common.models import Batch, BatchLine
-from services.gateway.batch_files import put_path
 from services.gateway.metering import UsageRecord, insert_in
 
 _LOCK_CLASS = 0x6D70_6C78  # "mplx": the advisory-lock class of batch runners
@@ -119,12 +117,16 @@ _SKIP_REASON = {
 
 
 def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_id: uuid.UUID) -> BatchStatus:
-    """End the batch: unanswered lines are skipped (cancelled or expired), the output and error files are
-    written to the object store and the batch gets its final status, in one transaction. Idempotent."""
+    """End the batch: unanswered lines are skipped (cancelled or expired), the lines not yet in a part are
+    flushed, the output and error files are assembled from the parts and the batch gets its final status, in
+    one transaction. Idempotent."""
     with session_factory() as s:
         b = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
         if b.status in TERMINAL:
-            return b.status
+            final = b.status
+            s.commit()
+            parts.drop_objects(store, batch_id)  # a run killed between its commit and this left them
+            return final
         unanswered = s.scalar(select(BatchLine.line_no).where(BatchLine.batch_id == batch_id,
                                                               BatchLine.state == LineState.PENDING).limit(1))
         final = _final_status(b, unanswered is not None)
@@ -140,13 +142,15 @@ def finalize(session_factory: sessionmaker[Session], store: ObjectStore, batch_i
         else:
             assert unanswered is None, "a batch completes only when every line is answered"
         b.finalizing_at = b.finalizing_at or now
-        b.output_file_id = _write_file(s, store, b, (LineState.DONE,), "output")
-        b.error_file_id = _write_file(s, store, b, (LineState.FAILED, LineState.SKIPPED), "errors")
+        parts.flush_all(s, store, batch_id)  # what the runner had not streamed yet, and the skipped lines
+        b.output_file_id = parts.assemble(s, store, b, "output")
+        b.error_file_id = parts.assemble(s, store, b, "errors")
         b.status = final
         setattr(b, {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at",
                     BatchStatus.EXPIRED: "expired_at"}[final], now)
         s.commit()
-        return final
+    parts.drop_objects(store, batch_id)  # after the commit: until then the parts are the only copy
+    return final
 
 
 def _final_status(b: Batch, unanswered: bool) -> BatchStatus:
@@ -156,21 +160,3 @@ def _final_status(b: Batch, unanswered: bool) -> BatchStatus:
         assert b.expires_at <= datetime.now(timezone.utc), "the runner stops early only on cancel or expiry"
         return BatchStatus.EXPIRED
     return BatchStatus.COMPLETED
-
-
-def _write_file(s: Session, store: ObjectStore, b: Batch, states: tuple[LineState, ...], kind: str) -> uuid.UUID | None:
-    """Stream the lines in `states`, in file order, into a JSONL object; None when there are none."""
-    n = 0
-    with tempfile.TemporaryDirectory(prefix="mplex-batch-out-") as tmp:
-        path = Path(tmp) / f"{kind}.jsonl"
-        with open(path, "wb") as out:
-            q = (select(BatchLine.result).where(BatchLine.batch_id == b.id, BatchLine.state.in_(states))
-                 .order_by(BatchLine.line_no).execution_options(yield_per=1000))
-            for result in s.scalars(q):
-                out.write(result.encode() + b"\n")
-                n += 1
-        if not n:
-            return None
-        row = put_path(store, s, tenant_id=b.tenant_id, path=path, filename=f"batch_{b.id.hex}_{kind}.jsonl",
-                       purpose=OUTPUT_PURPOSE, line_count=n)
-        return row.id

@@ -51,13 +51,13 @@ def apportion(total: int, weights: list[int]) -> list[int]:
 
 
 _LEDGER = """
-SELECT (created_at AT TIME ZONE 'UTC')::date AS day, model, adapter_version_id, base_model, api_key_id,
+SELECT (created_at AT TIME ZONE 'UTC')::date AS day, model, adapter_version_id, service_tier, base_model, api_key_id,
        count(*) AS requests, sum(prompt_tokens)::bigint AS prompt_tokens, sum(cached_tokens)::bigint AS cached_tokens,
        sum(completion_tokens)::bigint AS completion_tokens, min(created_at) AS first_at
 FROM usage_events
 WHERE tenant_id = :t AND created_at >= :lo AND created_at < :hi
-GROUP BY 1, 2, 3, 4, 5
-ORDER BY 1, 2, 3, 5
+GROUP BY 1, 2, 3, 4, 5, 6
+ORDER BY 1, 2, 3, 4, 6
 """
 
 
@@ -71,7 +71,7 @@ def usage_by_key(session: Session, config: BillingConfig, *, tenant_id: uuid.UUI
               for r in current_daily_rows(session, config, day_from=day_from, day_to=day_to, tenant_id=tenant_id, book=book)}
     groups: dict[tuple, list] = {}
     for r in session.execute(text(_LEDGER), {"t": tenant_id, "lo": lo, "hi": hi}):
-        groups.setdefault((r.day, r.model, r.adapter_version_id), []).append(r)
+        groups.setdefault((r.day, r.model, r.adapter_version_id, r.service_tier), []).append(r)
 
     keys = {k.id: k for k in session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id))}
     out: dict[uuid.UUID | None, KeyUsage] = {}

@@ -1,4 +1,4 @@
-"""Finance cost report for a period: per tenant (and per model/adapter version) requests, tokens, billed
+"""Finance cost report for a period: per tenant (and per model/adapter version/service tier) requests, tokens, billed
 amount, attributed compute cost and margin, plus engines' unallocated idle cost; as JSON and as CSV.
 
 Built from the daily rows (services.billing.rollup.current_daily_rows) by summing, never re-rounding, so
@@ -22,6 +22,7 @@ from services.billing.money import US_PER_HOUR, round_half_up
 from services.billing.pricebook import PriceBook
 from services.billing.rollup import DailyRow, current_daily_rows, day_bounds
 from services.billing.statements import adapter_labels
+from services.common.batch_contract import SERVICE_TIER
 
 
 class ReportError(ValueError):
@@ -80,6 +81,7 @@ class BreakdownLine:
     model: str  # the base model
     adapter: str | None  # adapter@version, None for the base model itself
     adapter_version_id: uuid.UUID | None
+    service_tier: str  # 'default' (live) | 'batch' (Batch API lines, at the batch rate)
     totals: Totals = field(default_factory=Totals)
 
 
@@ -137,28 +139,28 @@ def build_report(session: Session, config: BillingConfig, *, day_from: date, day
     labels = adapter_labels(session, {r.adapter_version_id for r in rows if r.adapter_version_id})
     names = _tenant_names(session, {r.tenant_id for r in rows})
     tenants: dict[uuid.UUID, TenantLine] = {}
-    lines: dict[tuple[uuid.UUID, str, uuid.UUID | None], BreakdownLine] = {}
+    lines: dict[tuple[uuid.UUID, str, uuid.UUID | None, str], BreakdownLine] = {}
     totals = Totals()
     for r in rows:
         t = tenants.get(r.tenant_id)
         if t is None:
             slug, name = names[r.tenant_id]
             t = tenants[r.tenant_id] = TenantLine(r.tenant_id, slug, name)
-        key = (r.tenant_id, r.base_model, r.adapter_version_id)
+        key = (r.tenant_id, r.base_model, r.adapter_version_id, r.service_tier)
         line = lines.get(key)
         if line is None:
             label = None
             if r.adapter_version_id is not None:
                 name, version = labels.get(r.adapter_version_id, (str(r.adapter_version_id), 0))
                 label = f"{name}@{version}"
-            line = lines[key] = BreakdownLine(r.base_model, label, r.adapter_version_id)
+            line = lines[key] = BreakdownLine(r.base_model, label, r.adapter_version_id, r.service_tier)
             t.breakdown.append(line)
         line.totals.add(r)
         t.totals.add(r)
         totals.add(r)
     ordered = sorted(tenants.values(), key=lambda t: (t.tenant_name, t.tenant_slug, str(t.tenant_id)))
     for t in ordered:
-        t.breakdown.sort(key=lambda b: (b.model, b.adapter or "", str(b.adapter_version_id or "")))
+        t.breakdown.sort(key=lambda b: (b.model, b.adapter or "", str(b.adapter_version_id or ""), b.service_tier == SERVICE_TIER))
     engines = engine_time(session, book, day_from=day_from, day_to=day_to) if tenant_id is None else EngineTime(0, 0, 0, 0, 0)
     return CostReport(day_from, day_to, ordered, totals, engines)
 
@@ -216,7 +218,8 @@ def report_json(report: CostReport) -> dict:
                 **t.totals.as_json(),
                 "breakdown": [
                     {"model": b.model, "adapter": b.adapter,
-                     "adapter_version_id": str(b.adapter_version_id) if b.adapter_version_id else None, **b.totals.as_json()}
+                     "adapter_version_id": str(b.adapter_version_id) if b.adapter_version_id else None,
+                     "service_tier": b.service_tier, **b.totals.as_json()}
                     for b in t.breakdown
                 ],
             }
@@ -239,8 +242,10 @@ CSV_COLUMNS = (
     "level", "period_from", "period_to", "tenant_id", "tenant_slug", "tenant_name", "model", "adapter",
     "adapter_version_id", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "compute_us",
     "amount_microusd", "discount_microusd", "billed_microusd", "compute_cost_microusd", "margin_microusd",
-    "unpriced_requests", "uncosted_compute_us",
+    "unpriced_requests", "uncosted_compute_us", "service_tier",
 )
+_TOTAL_COLUMNS = CSV_COLUMNS[9:-1]  # the money and count columns, from Totals.as_json
+# service_tier is last so that readers of the columns before it (by position) are unaffected by it.
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
@@ -259,12 +264,14 @@ def _csv_row(level: str, report: CostReport, totals: Totals, *, tenant: TenantLi
         str(tenant.tenant_id) if tenant else "", _text(tenant.tenant_slug) if tenant else "", _text(tenant.tenant_name) if tenant else "",
         _text(line.model) if line else "", _text(line.adapter) if line else "",
         str(line.adapter_version_id) if line and line.adapter_version_id else "",
-        *(tj[c] for c in CSV_COLUMNS[9:]),
+        *(tj[c] for c in _TOTAL_COLUMNS),
+        line.service_tier if line else "",
     ]
 
 
 def report_csv(report: CostReport) -> bytes:
-    """Rows: per tenant a `tenant` row then its `breakdown` rows; then one `total` row and one
+    """Rows: per tenant a `tenant` row then its `breakdown` rows (one per model/adapter version and service
+    tier: `default` live, `batch` Batch API); then one `total` row and one
     `unallocated` row (idle engine time: compute_us = idle µs, cost in compute_cost_microusd)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")

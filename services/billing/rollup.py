@@ -1,4 +1,5 @@
-"""Daily roll-ups: the ledger aggregated per UTC day x tenant x model x adapter version into `usage_daily`.
+"""Daily roll-ups: the ledger aggregated per UTC day x tenant x model x adapter version x service tier
+(live `default` or Batch API `batch`, priced at the batch rate) into `usage_daily`.
 
 Postgres sums token counts per (natural key, price segment) in one set-based query; Python turns the sums
 into money with services.billing.money (exact integers, rounded once per daily row). Writes are upserts on
@@ -24,8 +25,7 @@ from sqlalchemy.orm import Session
 from services.billing.config import BillingConfig
 from services.billing.money import ExactAmounts
 from services.billing.pricebook import ALL_MODELS, FAR_PAST, PriceBook, unit_prices
-from services.common.batch_contract import SERVICE_TIER
-
+from services.common.batch_contract import LIVE_TIER, SERVICE_TIER
 log = logging.getLogger("mplex.billing.rollup")
 
 CURSOR = "usage_daily"
@@ -42,6 +42,7 @@ class DailyRow:
     tenant_id: uuid.UUID
     model: str
     adapter_version_id: uuid.UUID | None
+    service_tier: str  # 'default' (live) | 'batch' (Batch API lines): part of the natural key
     base_model: str
     requests: int
     prompt_tokens: int
@@ -55,8 +56,12 @@ class DailyRow:
     uncosted_compute_us: int
 
     @property
-    def key(self) -> tuple[date, uuid.UUID, str, uuid.UUID | None]:
-        return (self.day, self.tenant_id, self.model, self.adapter_version_id)
+    def key(self) -> tuple[date, uuid.UUID, str, uuid.UUID | None, str]:
+        return (self.day, self.tenant_id, self.model, self.adapter_version_id, self.service_tier)
+
+    @property
+    def batch(self) -> bool:
+        return self.service_tier == SERVICE_TIER
 
     @property
     def billed_micros(self) -> int:
@@ -64,7 +69,7 @@ class DailyRow:
 
 
 DAILY_COLUMNS = tuple(DailyRow.__dataclass_fields__)
-_VALUE_COLUMNS = DAILY_COLUMNS[4:]  # everything but the natural key
+_VALUE_COLUMNS = DAILY_COLUMNS[5:]  # everything but the natural key
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +156,7 @@ def compute_daily(
 
     acc: dict[tuple, _Acc] = {}
     for r in session.execute(text(_QUERY.format(tenant_filter=tenant_filter)), params):
-        key = (r.day, r.tenant_id, r.model, r.adapter_version_id)
+        key = (r.day, r.tenant_id, r.model, r.adapter_version_id, SERVICE_TIER if r.batch else LIVE_TIER)
         a = acc.get(key)
         if a is None:
             a = acc[key] = _Acc(r.base_model)
@@ -175,9 +180,9 @@ def compute_daily(
                 a.exact.add_compute(r.compute_us, per_hour)
 
     rows = []
-    for (day, tenant_id, model, avid), a in acc.items():
+    for (day, tenant_id, model, avid, tier), a in acc.items():
         money = a.exact.rounded()  # the one rounding per daily row
-        rows.append(DailyRow(day, tenant_id, model, avid, a.base_model, a.requests, a.prompt_tokens, a.cached_tokens,
+        rows.append(DailyRow(day, tenant_id, model, avid, tier, a.base_model, a.requests, a.prompt_tokens, a.cached_tokens,
                              a.completion_tokens, a.compute_us, money.amount_micros, money.discount_micros,
                              money.compute_cost_micros, a.unpriced_requests, a.uncosted_compute_us))
     rows.sort(key=sort_key)
@@ -185,20 +190,20 @@ def compute_daily(
 
 
 def sort_key(row: DailyRow) -> tuple:
-    return (row.day, str(row.tenant_id), row.model, str(row.adapter_version_id or ""))
+    return (row.day, str(row.tenant_id), row.model, str(row.adapter_version_id or ""), row.service_tier)
 
 
 # -- storing --------------------------------------------------------------------------------------
 _UPSERT = """
-INSERT INTO usage_daily (day, tenant_id, model, adapter_version_id, base_model, requests, prompt_tokens, cached_tokens,
+INSERT INTO usage_daily (day, tenant_id, model, adapter_version_id, service_tier, base_model, requests, prompt_tokens, cached_tokens,
                          completion_tokens, compute_us, amount_micros, discount_micros, compute_cost_micros,
                          unpriced_requests, uncosted_compute_us)
 SELECT * FROM unnest(CAST(:day AS date[]), CAST(:tenant_id AS uuid[]), CAST(:model AS text[]), CAST(:adapter_version_id AS uuid[]),
-                     CAST(:base_model AS text[]), CAST(:requests AS bigint[]), CAST(:prompt_tokens AS bigint[]),
+                     CAST(:service_tier AS text[]), CAST(:base_model AS text[]), CAST(:requests AS bigint[]), CAST(:prompt_tokens AS bigint[]),
                      CAST(:cached_tokens AS bigint[]), CAST(:completion_tokens AS bigint[]), CAST(:compute_us AS bigint[]),
                      CAST(:amount_micros AS bigint[]), CAST(:discount_micros AS bigint[]), CAST(:compute_cost_micros AS bigint[]),
                      CAST(:unpriced_requests AS bigint[]), CAST(:uncosted_compute_us AS bigint[]))
-ON CONFLICT ON CONSTRAINT uq_usage_daily_day_tenant_id_model_adapter_version_id DO UPDATE SET
+ON CONFLICT ON CONSTRAINT uq_usage_daily_natural_key DO UPDATE SET
   {sets}, updated_at = now()
 WHERE ({old}) IS DISTINCT FROM ({new})
 """

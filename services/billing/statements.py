@@ -1,4 +1,5 @@
-"""Monthly statements: an immutable snapshot of a tenant's month, one line per model/adapter version.
+"""Monthly statements: an immutable snapshot of a tenant's month, one line per model/adapter version and
+service tier (Batch API lines are their own line, at the batch rate).
 
 A statement's lines are sums of the month's daily rows (never re-rounded), so a statement always equals
 the sum of its roll-ups. Rows are immutable (database trigger): issuing again for the same month adds
@@ -21,6 +22,7 @@ from sqlalchemy.orm import Session
 from services.billing.config import BillingConfig
 from services.billing.pricebook import PriceBook
 from services.billing.rollup import DailyRow, current_daily_rows
+from services.common.batch_contract import LIVE_TIER, SERVICE_TIER
 from services.common.models import Statement, StatementLine
 
 log = logging.getLogger("mplex.billing.statements")
@@ -41,6 +43,7 @@ class LineData:
     base_model: str
     adapter_version_id: uuid.UUID | None
     description: str
+    service_tier: str  # 'default' (live) | 'batch' (Batch API)
     requests: int
     prompt_tokens: int
     cached_tokens: int
@@ -95,25 +98,31 @@ def adapter_labels(session: Session, version_ids: set[uuid.UUID]) -> dict[uuid.U
 
 
 def statement_lines(rows: list[DailyRow], labels: dict[uuid.UUID, tuple[str, int]]) -> list[LineData]:
-    """Daily rows of one tenant-month -> lines per (base model, adapter version), in a stable order."""
-    sums: dict[tuple[str, uuid.UUID | None], list[int]] = {}
+    """Daily rows of one tenant-month -> lines per (base model, adapter version, tier), in a stable order
+    (a model's Batch API line right after its live one)."""
+    sums: dict[tuple[str, uuid.UUID | None, str], list[int]] = {}
     for r in rows:
-        s = sums.setdefault((r.base_model, r.adapter_version_id), [0] * len(TOTAL_FIELDS))
+        s = sums.setdefault((r.base_model, r.adapter_version_id, r.service_tier), [0] * len(TOTAL_FIELDS))
         for i, f in enumerate(TOTAL_FIELDS):
             s[i] += getattr(r, f)
     lines = []
-    for n, ((base_model, avid), s) in enumerate(sorted(sums.items(), key=lambda kv: (kv[0][0], str(kv[0][1] or ""))), start=1):
+    order = sorted(sums.items(), key=lambda kv: (kv[0][0], str(kv[0][1] or ""), kv[0][2] == SERVICE_TIER))
+    for n, ((base_model, avid, tier), s) in enumerate(order, start=1):
         if avid is None:
             model, description = base_model, f"{base_model} (base model)"
         else:
             name, version = labels.get(avid, (str(avid), 0))
             model, description = f"{name}@{version}", f"adapter {name} v{version} on {base_model}"
-        lines.append(LineData(n, model, base_model, avid, description, *s))
+        if tier == SERVICE_TIER:
+            description += ", Batch API"
+        lines.append(LineData(n, model, base_model, avid, description, tier, *s))
     return lines
 
 
 def lines_digest(lines: list[LineData]) -> str:
-    doc = [[ln.model, ln.base_model, str(ln.adapter_version_id or ""), *(getattr(ln, f) for f in TOTAL_FIELDS)] for ln in lines]
+    # A live line hashes as before the tier existed, so a month without batch lines is not re-issued for it.
+    doc = [[ln.model, ln.base_model, str(ln.adapter_version_id or ""), *(getattr(ln, f) for f in TOTAL_FIELDS),
+            *([ln.service_tier] if ln.service_tier != LIVE_TIER else [])] for ln in lines]
     return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -181,7 +190,7 @@ def _issue(session: Session, config: BillingConfig, tenant_id: uuid.UUID, period
     session.flush()
     session.add_all(
         StatementLine(statement_id=stmt.id, line_no=ln.line_no, model=ln.model, base_model=ln.base_model,
-                      adapter_version_id=ln.adapter_version_id, description=ln.description,
+                      adapter_version_id=ln.adapter_version_id, description=ln.description, service_tier=ln.service_tier,
                       **{f: getattr(ln, f) for f in TOTAL_FIELDS})
         for ln in lines
     )

@@ -22,7 +22,8 @@ FILE_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 FILE_PREFIX, BATCH_PREFIX, LINE_PREFIX = "file-", "batch_", "batch_req_"
 LIST_LIMIT_MAX = 100
-SERVICE_TIER = "batch"  # usage_events.service_tier of a batch line (live requests: "default")
+SERVICE_TIER = "batch"  # usage_events.service_tier of a batch line (live requests: LIVE_TIER)
+LIVE_TIER = "default"  # the service tier of live requests (usage_events, usage_daily, statement_lines)
 
 TASK_RUN = "batches.run"  # (batch id): run a batch's pending lines; idempotent, one runner per batch
 TASK_SWEEP = "batches.sweep"  # resume orphaned batches, expire overdue ones

@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     batch_max_in_flight_per_engine: int = Field(8, ge=1, le=256)
     batch_yield_kv_usage: float = Field(0.8, gt=0, le=1)
     batch_yield_interactive_running: int = Field(4, ge=0)
+    # CPU niceness of a batch run's threads (0: as the worker): where the runner shares cores with the
+    # serving path (the gateway, an engine on the CPU), the OS scheduler then favours interactive requests.
+    batch_cpu_nice: int = Field(10, ge=0, le=19)
 
     @field_validator("plan_weights", mode="after")
     @classmethod

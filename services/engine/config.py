@@ -246,8 +246,13 @@ class SchedulerConfig:
     # A request is admitted when its estimated TTFT is within this fraction of its budget: the rest is
     # for what the estimate does not see (the gateway's hop, prefill beside other work, estimate error).
     admission_headroom: float = 0.6
+    # A step's lower-class (batch) prompt work, chunks included, is at most this many tokens (None: the
+    # whole budget), so the step an arriving interactive request waits out is short (class_yield.py).
+    lower_class_prefill_tokens: int | None = 128
 
     def __post_init__(self) -> None:
+        if self.lower_class_prefill_tokens is not None and self.lower_class_prefill_tokens <= 0:
+            raise ConfigError("lower_class_prefill_tokens must be > 0 or None")
         if self.policy not in ("fair", "fcfs"):
             raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
         for name in ("interactive_ttft_slo_s", "batch_ttft_slo_s"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.engine.class_yield import class_budget_cap, computes_interactive_prompt
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import Admission, Tenants, WaitQueue
 from services.engine.forks import WAIT, PromptGroups
@@ -108,6 +109,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # every admission's hit, re-admissions after preemption included
         # The device slot being drained for a request that has waited too long for one (see _admit).
         self.draining_slot: int | None = None
+        self.budget_cap: int | None = None  # the plan's token count the current class may fill to (class_yield.py)
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -165,7 +167,8 @@ class Scheduler:
         return plan
 
     def _budget(self, plan: StepPlan) -> int:
-        return self.config.max_num_batched_tokens - plan.num_batched_tokens
+        cap = self.config.max_num_batched_tokens if self.budget_cap is None else self.budget_cap
+        return min(cap, self.config.max_num_batched_tokens) - plan.num_batched_tokens
 
     def _run(self, seq: Sequence, plan: StepPlan) -> None:
         """Schedule a running sequence's next tokens (a decode or a prefill chunk), preempting to make room."""
@@ -199,6 +202,9 @@ class Scheduler:
         if self.draining_slot is not None and not any(s.lora_slot == self.draining_slot for s in self.running):
             self.draining_slot = None  # drained: it is idle now, and the oldest waiting requests get it first
         for priority in Priority:
+            if priority is not Priority.INTERACTIVE and computes_interactive_prompt(plan):
+                break  # a lean step for an interactive first token; lower classes go next step (class_yield.py)
+            self.budget_cap = class_budget_cap(plan, priority, self.config)
             pending: dict[str, list[Sequence]] = {}
             for seq in prefills:
                 if seq.priority == priority:
@@ -223,6 +229,7 @@ class Scheduler:
                     walk = None
             if walk is not None and len(self.running) >= self.config.max_num_seqs and walk.peek() is not None:
                 self.blocked = True
+        self.budget_cap = None
 
     def _try_admit(self, seq: Sequence, walk: Admission, plan: StepPlan) -> bool:
         """Admit `seq` (the walk's candidate) with its first prefill chunk, or skip it for this pass (its

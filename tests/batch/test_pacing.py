@@ -18,7 +18,7 @@ def test_grows_by_one_while_idle_up_to_the_cap_per_engine():
 
 def test_halves_on_each_sign_of_interactive_load_and_probes_again_after():
     cfg = PacingConfig(max_in_flight_per_engine=16, yield_kv_usage=0.8, yield_interactive_running=2)
-    for pressure in (dict(waiting=1), dict(kv_usage=0.9), dict(running=8 + 3)):
+    for pressure in (dict(waiting=9), dict(kv_usage=0.9), dict(running=8 + 3)):
         p = Pacer(cfg)
         p.limit = 8
         d = p.decide([engine(**pressure)], in_flight=8)
@@ -39,3 +39,20 @@ def test_its_own_lines_are_not_counted_as_interactive_load():
 def test_no_engine_means_nothing_in_flight():
     p = Pacer(PacingConfig())
     assert p.decide([], in_flight=0).limit == 0
+
+
+def test_one_step_per_heartbeat_not_per_question():
+    p = Pacer(PacingConfig(max_in_flight_per_engine=16))
+    beat = [engine(ts=100.0)]
+    assert [p.decide(beat, in_flight=0).limit for _ in range(5)] == [2, 2, 2, 2, 2]  # the same figures, asked again
+    assert p.decide([engine(ts=101.0)], in_flight=2).limit == 3
+    busy = [engine(ts=102.0, waiting=4)]
+    assert [p.decide(busy, in_flight=3).limit for _ in range(3)] == [1, 1, 1]  # halved once, not three times
+
+
+def test_its_own_queued_lines_are_not_a_sign_of_load():
+    p = Pacer(PacingConfig(max_in_flight_per_engine=16, yield_interactive_running=2))
+    p.limit = 8
+    assert p.decide([engine(running=5, waiting=3)], in_flight=8).limit == 9  # all eight are ours
+    d = p.decide([engine(running=3, waiting=5)], in_flight=4)  # five wait, four are ours at most: one is not
+    assert d.yielding and d.limit == 4

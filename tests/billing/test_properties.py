@@ -111,7 +111,7 @@ def reference(events, lps, contracts, eng_prices, tenants, plan, engine_type_of)
                                "list": Fraction(0), "billed": Fraction(0), "compute": Fraction(0), "unpriced_requests": 0,
                                "uncosted_compute_us": 0})
     for e in events:
-        a = acc[(e["created_at"].date(), e["tenant_id"], e["model"], e["adapter_version_id"])]
+        a = acc[(e["created_at"].date(), e["tenant_id"], e["model"], e["adapter_version_id"], e.get("service_tier", "default"))]
         a["requests"] += 1
         for k in ("prompt_tokens", "cached_tokens", "completion_tokens", "compute_us"):
             a[k] += e[k]
@@ -302,7 +302,7 @@ def test_rollups_statements_and_exports_reconcile(session, events, lps_in, contr
     result = rollup_pending(db, config)
     assert late_at.date() in result.days
     ref2 = reference(rows + [late], lps, contracts, eng_prices, tenant_ids, plan, engine_type_of)
-    key = (late_at.date(), tenants[1].id, BASE, None)
+    key = (late_at.date(), tenants[1].id, BASE, None, "default")
     after = stored()
     assert after[key].requests == ref2[key]["requests"] and after[key].amount_micros == ref2[key]["amount_micros"]
     period = late_at.date().replace(day=1)

@@ -148,7 +148,7 @@ def test_daily_rollup_natural_key_upserts_including_base_model_rows(db):
         stmt = insert(UsageDaily).values(day=day, tenant_id=tenant.id, model="m", base_model="mplex-demo",
                                          adapter_version_id=adapter_version_id, requests=1, prompt_tokens=tokens)
         db.execute(stmt.on_conflict_do_update(
-            constraint="uq_usage_daily_day_tenant_id_model_adapter_version_id",
+            constraint="uq_usage_daily_natural_key",
             set_={"prompt_tokens": stmt.excluded.prompt_tokens}))
         db.commit()
 

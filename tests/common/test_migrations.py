@@ -88,3 +88,29 @@ def test_invariant_triggers_are_installed(database_url):
         assert {(t, n) for t, n in rows} == TRIGGERS
     finally:
         engine.dispose()
+
+
+def test_0007_recomputes_the_days_that_already_held_batch_lines(empty_database):
+    """Daily rows of (day, tenant) pairs with batch lines are removed and the roll-up cursor moves back to the
+    first such ledger row, so the next roll-up splits them by tier; other days are left as they were."""
+    upgrade(empty_database, "0006")
+    engine = make_db_engine(empty_database, pool_size=1, max_overflow=0)
+    try:
+        with engine.begin() as conn:
+            t = conn.execute(text("INSERT INTO tenants (name, slug) VALUES ('t', 'mig-0007') RETURNING id")).scalar_one()
+            for rid, day, tier in (("a", "2026-05-01", "default"), ("b", "2026-05-02", "default"), ("c", "2026-05-02", "batch")):
+                conn.execute(text("INSERT INTO usage_events (request_id, tenant_id, model, base_model, prompt_tokens, "
+                                  "completion_tokens, status, http_status, created_at, recorded_at, service_tier) VALUES "
+                                  "(:r, :t, 'm', 'm', 1, 1, 'ok', 200, :d, :rec, :tier)"),
+                             {"r": rid, "t": t, "d": f"{day}T12:00:00Z", "rec": f"{day}T12:00:01Z", "tier": tier})
+                conn.execute(text("INSERT INTO usage_daily (day, tenant_id, model, base_model, requests) VALUES "
+                                  "(:d, :t, 'm', 'm', 1) ON CONFLICT DO NOTHING"), {"d": day, "t": t})
+            conn.execute(text("INSERT INTO billing_cursors (name, recorded_through) VALUES ('usage_daily', '2026-06-01Z')"))
+        upgrade(empty_database, "0007")
+        with engine.connect() as conn:
+            days = conn.execute(text("SELECT day::text, service_tier FROM usage_daily WHERE tenant_id = :t"), {"t": t}).all()
+            cursor = conn.execute(text("SELECT recorded_through FROM billing_cursors WHERE name = 'usage_daily'")).scalar_one()
+        assert days == [("2026-05-01", "default")]  # the batch day goes, to be recomputed by tier
+        assert cursor.isoformat().startswith("2026-05-02T12:00:01")
+    finally:
+        engine.dispose()

@@ -1,7 +1,8 @@
 """Engine greedy output == Hugging Face transformers `generate` (fp32) on the trained demo model.
 
 Checked with every request in one continuous batch, with a tiny chunked-prefill budget, with prefix
-cache hits from a shared system prompt, and under preemption from a deliberately tiny KV pool -- by
+cache hits from a shared system prompt, with batch-class prompts held while interactive ones arrive
+(class_yield.py), and under preemption from a deliberately tiny KV pool -- by
 recompute and by swapping to the host tier and back (mid-prefill and mid-decode, with prefix hits).
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from services.common.prompting import PromptBuilder
 from services.engine.engine import LLMEngine
-from services.engine.sequence import SamplingParams
+from services.engine.class_yield import computes_interactive_prompt
+from services.engine.sequence import Priority, SamplingParams
 from tests.engine.conftest import make_config, make_engine, record_swaps, run_all, run_all_split, spec_tokens
 from tests.engine.oracle import TIE_GAP, TieLog, hf_greedy
 
@@ -248,3 +250,52 @@ def test_speculative_decoding_with_prefix_hits(demo_kit, hf_model):
     # Drafts were verified beside the prefix-hit rows (the base model's short answers after this system
     # prompt reject them: the rejection path, with the oracle's tokens).
     assert spec_tokens(engine, "draft") > 0
+
+
+def test_batch_prompts_held_for_interactive_first_tokens(demo_kit, prompts, references):
+    """Batch-class requests run while interactive ones keep arriving: the steps that compute an interactive
+    prompt hold the batch prompts (class_yield.py), which go on in later steps in chunks of at most the
+    lower-class cap; every output is still HF's."""
+    from collections import defaultdict
+
+    import dataclasses
+
+    config = make_config(demo_kit.base_dir, block_size=4, budget=24)
+    # A cap below most prompts: batch prompts are also cut into capped chunks.
+    engine = LLMEngine(dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, lower_class_prefill_tokens=5)))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    half = len(prompts) // 2
+    for i in range(half):
+        engine.add_request(f"r{i}", prompts[i], params, priority=Priority.BATCH)
+    arrivals = {1 + 2 * j: i for j, i in enumerate(range(half, len(prompts)))}
+    sched, schedule, held = engine.scheduler, engine.scheduler.schedule, []
+
+    def observed():  # the real scheduler's plan, looked at
+        plan = schedule()
+        prompt_work = [s.num_new_tokens for s in plan.scheduled
+                       if s.seq.priority is Priority.BATCH and s.start < s.seq.num_prompt_tokens]
+        # capped at 5, but a prompt's last token goes with the decodes (one token left looks like a decode)
+        assert sum(prompt_work) <= 5 + prompt_work.count(1)
+        if computes_interactive_prompt(plan):
+            assert not any(s.seq.priority is Priority.BATCH and s.start < s.seq.num_prompt_tokens for s in plan.scheduled)
+            held.append(bool(sched.waiting[Priority.BATCH]) or any(
+                s.priority is Priority.BATCH and s.num_computed_tokens < s.num_prompt_tokens for s in sched.running))
+        return plan
+
+    sched.schedule = observed
+    out: dict[str, list[int]] = defaultdict(list)
+    step = 0
+    while engine.has_unfinished() or step <= max(arrivals):
+        if step in arrivals:
+            i = arrivals[step]
+            engine.add_request(f"r{i}", prompts[i], params)
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.new_token_ids
+        engine.check_integrity()
+        step += 1
+    log = TieLog("class-yield")
+    for i, ref in enumerate(references):
+        log.check(f"r{i}", out[f"r{i}"], ref)
+    log.write()
+    assert any(held)  # batch prompts really were held back for interactive ones

@@ -70,6 +70,9 @@ def test_preemption_picks_the_lowest_priority_latest_sequence_and_requeues_it_fi
     sched.add(a)
     sched.add(b)
     plan = sched.schedule()
+    assert {s.seq.request_id for s in plan.scheduled} == {"a"}  # b's prompt waits out a's first-token step
+    advance(sched, plan)
+    plan = sched.schedule()
     assert {s.seq.request_id for s in plan.scheduled} == {"a", "b"}
     preempted = []
     for _ in range(12):
@@ -130,3 +133,42 @@ def test_prefix_hit_counts_cached_tokens_once_on_first_admission():
     plan = sched.schedule()
     assert second.num_cached_tokens == 12
     assert plan.scheduled[0].start == 12 and plan.scheduled[0].num_new_tokens == 1
+
+
+def test_a_step_computing_an_interactive_prompt_holds_batch_prefills_but_not_batch_decodes():
+    sched = make_scheduler(budget=32)
+    decoding = make_seq("b-decode", 3, max_tokens=20, priority=Priority.BATCH)
+    sched.add(decoding)
+    advance(sched, sched.schedule())  # b-decode is decoding now
+    long = make_seq("b-long", 40, priority=Priority.BATCH, first_token=100)
+    sched.add(long)
+    advance(sched, sched.schedule())  # b-long prefilled in part
+    assert 0 < long.num_computed_tokens < 40
+    sched.add(make_seq("b-new", 5, priority=Priority.BATCH, first_token=200))
+    sched.add(make_seq("inter", 6, first_token=300))
+    plan = sched.schedule()
+    by_id = {s.seq.request_id: s for s in plan.scheduled}
+    # The interactive prompt's step: the batch decode runs, the batch prefill chunk and admission wait,
+    # though the budget has room for them.
+    assert set(by_id) == {"b-decode", "inter"} and plan.num_batched_tokens == 7 < 32
+    advance(sched, plan)
+    plan = sched.schedule()  # inter decodes now: the batch prompts go on
+    assert {s.seq.request_id for s in plan.scheduled} == {"b-decode", "inter", "b-long", "b-new"}
+
+
+def test_batch_prompt_work_per_step_is_capped_chunks_included():
+    kv = KVCacheManager(BlockPool(64), 4)
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, lower_class_prefill_tokens=10)
+    sched = Scheduler(cfg, kv, 256)
+    sched.add(make_seq("b1", 8, priority=Priority.BATCH))
+    sched.add(make_seq("b2", 30, priority=Priority.BATCH, first_token=100))
+    sched.add(make_seq("b3", 4, priority=Priority.BATCH, first_token=200))
+    plan = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("b1", 8), ("b2", 2)]  # 10, b3 waits
+    advance(sched, plan)
+    plan = sched.schedule()
+    # b1 decodes (not prompt work); b2's next chunk and b3 share the cap.
+    assert sorted((s.seq.request_id, s.num_new_tokens) for s in plan.scheduled) == [("b1", 1), ("b2", 10)]
+    interactive = make_scheduler(budget=64)
+    interactive.add(make_seq("i1", 40))  # interactive prompts are never capped
+    assert interactive.schedule().scheduled[0].num_new_tokens == 40

@@ -84,7 +84,7 @@ def _half_up(n: int, d: int) -> int:
 
 def ledger_totals(db_engine, day_from, day_to, tenant_id=None) -> dict[str, int]:
     """Requests, tokens, billed and attributed cost for UTC days [day_from, day_to] computed from usage_events
-    with the demo prices: money rounded once per (day, tenant, model, adapter) as the billing rules say."""
+    with the demo prices: money rounded once per (day, tenant, model, adapter, tier) as the billing rules say."""
     from datetime import datetime, time, timedelta, timezone
 
     from sqlalchemy import text
@@ -103,7 +103,7 @@ def ledger_totals(db_engine, day_from, day_to, tenant_id=None) -> dict[str, int]
             pico = (p - c) * DEMO_PRICES["input"] + c * DEMO_PRICES["cached_input"] + o * DEMO_PRICES["output"]
             if key[3] is not None:  # an adapter
                 pico += (p + o) * DEMO_PRICES["adapter_surcharge"]
-            g = groups.setdefault(tuple(key), [0, 0])
+            g = groups.setdefault((*key, batch), [0, 0])  # a batch line's daily row is its own
             g[0] += pico * (5_000 if batch else 10_000)
             g[1] += us
             out["requests"] += n

@@ -14,7 +14,7 @@ from services.common.models.adapters import (
 )
 from services.common.models.audit import AuditLog
 from services.common.models.base import Base, utcnow
-from services.common.models.batches import Batch, BatchFile, BatchLine
+from services.common.models.batches import Batch, BatchFile, BatchLine, BatchPart
 from services.common.models.billing import BillingCursor, Statement, StatementLine, UsageDaily
 from services.common.models.identity import ApiKey, Role, User, WebSession
 from services.common.models.ledger import EngineUsageReport, UsageEvent, UsageStatus
@@ -34,6 +34,7 @@ __all__ = [
     "Batch",
     "BatchFile",
     "BatchLine",
+    "BatchPart",
     "BillingCursor",
     "EngineType",
     "EngineUsageReport",

@@ -83,7 +83,10 @@ class BatchLine(Base):
     __tablename__ = "batch_lines"
     __table_args__ = (
         UniqueConstraint("batch_id", "custom_id"),
-        CheckConstraint("(state = 'pending') = (result IS NULL)", name="answered_has_result"),
+        # An answered line's result lives here until it is in a part object (services.batch.parts), then only
+        # there: Postgres holds what is not yet in the object store, never the whole output.
+        CheckConstraint("CASE WHEN state = 'pending' THEN result IS NULL AND part_seq IS NULL "
+                        "ELSE (result IS NULL) = (part_seq IS NOT NULL) END", name="answered_has_result_or_part"),
     )
 
     batch_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("batches.id"), primary_key=True)
@@ -94,5 +97,25 @@ class BatchLine(Base):
     # byte 0), which JSON allows and JSONB refuses.
     body: Mapped[str]
     state: Mapped[LineState] = mapped_column(str_enum(LineState, "batch_line_state"))
-    result: Mapped[str | None]  # the output / error file line
+    result: Mapped[str | None]  # the output / error file line, until it is written to a part
     answered_at: Mapped[datetime | None]
+    part_seq: Mapped[int | None] = mapped_column(Integer)  # the part object holding its result (batch_parts.seq)
+
+
+class BatchPart(Base):
+    """One object of a batch's results in the object store, written while the batch runs. The batch's output
+    (or error) file is its parts of that kind in `seq` order; each answered line is in exactly one part."""
+
+    __tablename__ = "batch_parts"
+    __table_args__ = (
+        CheckConstraint("kind IN ('output', 'errors')", name="kind_known"),
+        CheckConstraint("line_count > 0 AND bytes > 0", name="not_empty"),
+    )
+
+    batch_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1, 2, ... in the order written
+    kind: Mapped[str]
+    storage_uri: Mapped[str]  # batches/parts/<batch>/<seq>.jsonl (services.batch.parts owns the key)
+    line_count: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = created_at()

@@ -32,7 +32,10 @@ class UsageDaily(UsageTotals, Base):
     __tablename__ = "usage_daily"
     __table_args__ = (
         # The natural key; NULLS NOT DISTINCT (PostgreSQL 15+) so base-model rows (no adapter) upsert too.
-        UniqueConstraint("day", "tenant_id", "model", "adapter_version_id", postgresql_nulls_not_distinct=True),
+        # Named by hand: the conventional name would pass Postgres's 63 characters.
+        UniqueConstraint("day", "tenant_id", "model", "adapter_version_id", "service_tier",
+                         name="uq_usage_daily_natural_key", postgresql_nulls_not_distinct=True),
+        CheckConstraint("service_tier IN ('default', 'batch')", name="service_tier_known"),
         ForeignKeyConstraint(["adapter_version_id", "tenant_id"], ["adapter_versions.id", "adapter_versions.tenant_id"]),
         Index("ix_usage_daily_tenant_id_day", "tenant_id", "day"),
     )
@@ -43,6 +46,8 @@ class UsageDaily(UsageTotals, Base):
     model: Mapped[str]
     base_model: Mapped[str]
     adapter_version_id: Mapped[uuid.UUID | None]
+    # 'batch': Batch API lines (at the price book's batch rate), a row apart from the live ('default') one
+    service_tier: Mapped[str] = mapped_column(default="default", server_default="default")
     # Requests with no list price at their time (amount counted as 0) and compute time with no engine-hour
     # price (cost counted as 0): a statement refuses a month with unpriced requests; reports show both.
     unpriced_requests: Mapped[int] = _bigint0()
@@ -86,7 +91,10 @@ class Statement(UsageTotals, Base):
 
 class StatementLine(UsageTotals, Base):
     __tablename__ = "statement_lines"
-    __table_args__ = (UniqueConstraint("statement_id", "line_no"),)
+    __table_args__ = (
+        UniqueConstraint("statement_id", "line_no"),
+        CheckConstraint("service_tier IN ('default', 'batch')", name="service_tier_known"),
+    )
 
     id: Mapped[int] = bigint_pk()
     statement_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("statements.id"))
@@ -95,3 +103,4 @@ class StatementLine(UsageTotals, Base):
     base_model: Mapped[str]
     adapter_version_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("adapter_versions.id"))
     description: Mapped[str]
+    service_tier: Mapped[str] = mapped_column(default="default", server_default="default")  # as in usage_daily

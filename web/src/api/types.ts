@@ -234,6 +234,8 @@ export interface FinanceFields {
 export interface FinanceBreakdown extends FinanceFields {
   model: string | null;
   adapter: string | null;
+  /** "batch": the model's Batch API lines (at the batch rate), apart from its live ("default") ones */
+  service_tier?: "default" | "batch";
 }
 
 export interface FinanceRow extends FinanceFields {

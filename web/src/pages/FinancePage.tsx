@@ -159,6 +159,7 @@ function Report({ report }: { report: FinanceReport }) {
                   <tr key={`${r.tenant_id}-${i}`} class="sub-row">
                     <th scope="row">
                       {b.model ?? "—"} / {adapterLabel(b.adapter)}
+                      {b.service_tier === "batch" ? " · Batch API" : ""}
                     </th>
                     <Cells row={b} decimals={decimals} />
                   </tr>
