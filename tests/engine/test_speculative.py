@@ -28,21 +28,25 @@ NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive_to_
 class ScriptedDrafter:
     """A deterministic drafter for tests: proposes a known continuation (the plain run's output at the
     sequence's position), corrupting one token of every `wrong_every`-th proposal -- so steps accept all,
-    part or none of their drafts. Deterministic in (request, position), as the Drafter contract asks."""
+    part or none of their drafts. Deterministic given the schedule (which does not depend on timing here:
+    NGRAM is not adaptive to load), and a point mass per proposal, as the Drafter contract asks."""
 
     name = "scripted"
 
     def __init__(self, refs: dict[str, list[int]], vocab: int, wrong_every: int = 3):
         self.refs, self.vocab, self.wrong_every = refs, vocab, wrong_every
+        self.calls = 0
 
     def propose(self, seqs, ks):
         out = []
         for s, k in zip(seqs, ks):
             n = s.num_output_tokens
             draft = list(self.refs.get(s.request_id, [])[n : n + k])
-            if draft and (n + len(s.request_id)) % self.wrong_every == 0:
-                j = n % len(draft)
-                draft[j] = (draft[j] + 1) % self.vocab
+            if draft:
+                self.calls += 1
+                if self.calls % self.wrong_every == 0:
+                    j = n % len(draft)
+                    draft[j] = (draft[j] + 1) % self.vocab
             out.append(tuple(draft))
         return out
 
