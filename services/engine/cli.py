@@ -48,10 +48,16 @@ def serve(
                                      "which follows OMP_NUM_THREADS)"),
     async_scheduling: bool = typer.Option(False, help="Schedule and build step N+1's inputs while step N's forward "
                                           "runs, post-process step N during step N+1 (token-identical outputs)"),
+    speculative: str = typer.Option("off", help="Speculative decoding: off | ngram (prompt lookup; lossless, "
+                                    "adaptive per sequence and to load)"),
+    num_speculative_tokens: int = typer.Option(4, help="Most draft tokens per sequence and step"),
+    speculative_max_running: int = typer.Option(32, help="No speculation from this many running sequences on"),
+    skip_spec_gate: bool = typer.Option(False, help="Speculate for every model/adapter, not only where `mplex engine "
+                                        "spec-gate` found it exact and faster"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
-    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig
 
     settings = get_settings()
     config = EngineConfig(
@@ -75,6 +81,9 @@ def serve(
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
         async_scheduling=async_scheduling,
+        speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
+                                      max_running=speculative_max_running,
+                                      enabled_for=_spec_enabled_for(settings.home, model, speculative, skip_spec_gate)),
     )
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:
@@ -175,6 +184,50 @@ def kv_gate(
     if record:
         typer.echo(f"verdict recorded: {record_verdict(settings.home, model, result)}")
     raise typer.Exit(0 if result.passed else 1)
+
+
+@app.command("spec-gate")
+def spec_gate(
+    model: Path = typer.Option(None, help="Checkpoint directory (default: the demo kit's base model)"),
+    method: str = typer.Option("ngram", help="The drafter to gate"),
+    min_gain: float = typer.Option(1.1, help="TPOT plain / speculative required (one request at a time)"),
+    items: int = typer.Option(24, help="Eval items per set"),
+    record: bool = typer.Option(True, help="Record the verdict `serve --speculative` reads"),
+) -> None:
+    """Measure, per eval set (base model, each adapter), whether speculation is exact and faster; record
+    where it is on (services/engine/spec/gate.py). Demo kit eval sets."""
+    from services.common.settings import get_settings
+    from services.engine.kv_gate import demo_eval_sets
+    from services.engine.spec.gate import check_speculation, record_verdict
+    from services.modelkit import ensure_demo
+
+    settings = get_settings()
+    kit = ensure_demo(settings.home, progress=False)
+    model = model or kit.base_dir
+    if Path(model).resolve() != Path(kit.base_dir).resolve():
+        raise typer.BadParameter("the speculative gate runs the demo kit's eval sets only", param_hint="--model")
+    result = check_speculation(model, demo_eval_sets(kit, items), method=method, min_gain=min_gain, max_items=items)
+    typer.echo(result.message)
+    if record:
+        typer.echo(f"verdict recorded: {record_verdict(settings.home, model, result)}")
+
+
+def _spec_enabled_for(home: Path, model: Path, method: str, skip: bool) -> tuple[str, ...] | None:
+    """Speculation only where the gate measured it exact and faster; without a verdict, nowhere (logged)."""
+    if method == "off" or skip:
+        return None
+    import logging
+
+    from services.engine.spec.gate import enabled_keys
+
+    keys = enabled_keys(home, model, method)
+    if keys is None:
+        logging.getLogger("mplex.engine").warning(
+            "--speculative %s: no gate verdict for %s, so no speculation; run `mplex engine spec-gate` "
+            "(or pass --skip-spec-gate)", method, model)
+        return ()
+    logging.getLogger("mplex.engine").info("speculative gate: on for %d of the model's base/adapters", len(keys))
+    return keys
 
 
 def _check_kv_gate(home: Path, model: Path, dtype: str, weight_dtype: str, kv_dtype: str, skip: bool) -> None:

@@ -291,6 +291,44 @@ class LoraConfig:
             raise ConfigError("max_lora_rank must be in 1..512")
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (services/engine/spec/): a drafter proposes up to `num_speculative_tokens` tokens per
+    decoding sequence and the same forward verifies them. Off by default; the controller sizes each
+    sequence's draft from its measured acceptance and shrinks it as the batch fills (`max_running`: no
+    speculation from that many running sequences on, nor while requests wait for admission)."""
+
+    method: str = "off"  # "off" | "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # A draft token at depth j is proposed while its estimated chance of acceptance (rate ** j) is at least
+    # the controller's cost-model bar (spec/controller.py), and never below this floor.
+    accept_threshold: float = 0.2
+    max_running: int = 32
+    # False: draft lengths from acceptance alone, with no measured-cost or payoff gating (tests, benchmarks
+    # of the mechanism); max_running and waiting requests still turn speculation off.
+    adaptive_to_load: bool = True
+    # Where speculation is on: "base" and adapter content ids that passed the gate (spec/gate.py); None = all.
+    enabled_for: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram"):
+            raise ConfigError(f"speculative method must be off or ngram, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")
+        if not 0 < self.accept_threshold < 1:
+            raise ConfigError("accept_threshold must be in (0, 1)")
+        if self.max_running < 1:
+            raise ConfigError("max_running must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 FAILPOINTS = ("step_error", "crash")
 
 
@@ -323,6 +361,7 @@ class EngineConfig:
     # Async scheduling (overlap.py): schedule and build step N+1's inputs while step N's forward runs on a
     # worker thread, and post-process step N during step N+1's forward. Token-identical outputs either way.
     async_scheduling: bool = False
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for name, _ in self.failpoints:
@@ -336,6 +375,10 @@ class EngineConfig:
             raise ConfigError("weight_dtype must be 'auto' or 'fp8'")
         if not (Path(self.model_dir) / "config.json").exists():
             raise ConfigError(f"model_dir {self.model_dir} has no config.json")
+        if self.async_scheduling and self.speculative.enabled:
+            # A verified draft decides how many tokens a row keeps only after its step: the next step cannot be
+            # planned during the forward (vLLM v1 refused the pair at first for the same reason).
+            raise ConfigError("async_scheduling cannot be combined with speculative decoding; choose one")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -243,13 +243,23 @@ class CoreClient:
             self._send(Abort(stops, "stop"))
 
     def _output(self, req: _Request, d: Delta) -> RequestOutput:
+        # One token a step, or several when a speculative draft was accepted: each is pushed with its own
+        # output count and the core's reason only on the last, and a stop string ends the delta at its token
+        # (the tokens after it are never shown nor counted, as in-process).
         text, reason = "", d.finish_reason
-        for token in d.token_ids:  # one a step (a step samples one token per sequence)
-            piece, reason = req.text.push(token, d.finish_reason, d.num_output_tokens)
+        tokens = d.token_ids
+        last = len(tokens) - 1
+        for j, token in enumerate(tokens):
+            piece, reason = req.text.push(token, d.finish_reason if j == last else None,
+                                          d.num_output_tokens - (last - j))
             text += piece
+            if reason is not None:
+                tokens = tokens[: j + 1]
+                break
+        dropped = len(d.token_ids) - len(tokens)
         lps = None
         if d.logprobs is not None:
-            lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d.logprobs]
-        return RequestOutput(d.request_id, d.token_ids, text, reason is not None, reason, d.num_prompt_tokens,
-                             d.num_cached_tokens, d.num_output_tokens, d.compute_seconds, lps,
+            lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d.logprobs[: len(tokens)]]
+        return RequestOutput(d.request_id, tokens, text, reason is not None, reason, d.num_prompt_tokens,
+                             d.num_cached_tokens, d.num_output_tokens - dropped, d.compute_seconds, lps,
                              clamped_from=d.clamped_from)

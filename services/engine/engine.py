@@ -28,6 +28,8 @@ from services.engine.preemption import PreemptionCostModel, PreemptKind
 from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence, Status
+from services.engine.spec.controller import SpecController
+from services.engine.spec.verify import accepted_lengths
 from services.common.wire import RequestFailed, check_prompt_ids
 
 log = logging.getLogger("mplex.engine")
@@ -56,6 +58,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: InvalidRequest | None = None  # the request was refused after queueing (e.g. its adapter failed to load)
     clamped_from: int | None = None  # overload clamped its max_tokens (batch class): what it had asked for
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for this request so far
+    num_accepted_tokens: int = 0  # of those, accepted (emitted; billing counts num_output_tokens only)
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class LLMEngine:
             from services.engine.overlap import OverlapStepper
 
             self.overlap = OverlapStepper(self)
+        self.spec = SpecController(config.speculative) if config.speculative.enabled else None
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
@@ -217,6 +222,8 @@ class LLMEngine:
             self._streams.pop(request_id, None)
             self.scheduler.finish(seq, "abort")
             self.metrics.count_finished("abort")
+            if self.spec is not None:
+                self.spec.forget(request_id)
         self._update_gauges()  # the step loop may go idle now and would leave the gauges stale
         return True
 
@@ -230,8 +237,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.overlap is not None:  # async scheduling: this step planned while the last one runs
             return self.overlap.step()
+        t_start = time.perf_counter()
         failed = self._fail_adapter_loads()
         self._prefetch_adapters()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.scheduler.num_waiting,
+                              self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         plan = self.scheduler.schedule()
         self._account_plan(plan)
         if plan.block_copies:  # also when nothing runs: a sequence that preempted itself is swapped out
@@ -247,12 +258,16 @@ class LLMEngine:
             outputs = self._isolate(plan, exc)
         else:
             elapsed = time.perf_counter() - t0
-            prefill = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+            prefill = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens - len(s.draft) > 1)
             self.preemption.observe_step(prefill, plan.num_batched_tokens, elapsed)
             outputs = self._postprocess(plan, sampled, elapsed)
         finished = self.scheduler.num_finished - self._finished_seen
         self._finished_seen = self.scheduler.num_finished
         self.load.observe(self.scheduler, time.perf_counter() - t0, finished)
+        if self.spec is not None:  # the whole step, drafting and output handling included: what a draft costs
+            self.spec.observe_step(plan.num_batched_tokens, time.perf_counter() - t_start,
+                                   sum(len(o.new_token_ids) for o in outputs),
+                                   all(s.num_new_tokens - len(s.draft) == 1 for s in plan.scheduled))
         self._update_gauges()
         return failed + outputs
 
@@ -395,14 +410,20 @@ class LLMEngine:
         self.metrics.step_time.observe(elapsed)
         outputs: list[RequestOutput] = []
         row = 0
+        accepted = iter(accepted_lengths(sampled.token_ids, [s.draft for s in plan.scheduled if s.samples])
+                        if sampled is not None and any(s.draft for s in plan.scheduled) else ())
         for s in plan.scheduled:
             seq = s.seq
             r = row
-            row += s.samples
+            row += s.samples * (1 + len(s.draft))
+            n_accepted = next(accepted, 0) if s.samples else 0
             if seq.status is Status.FINISHED:
                 continue  # aborted or finished while an async step ran
             try:  # one request's output handling (detokenize, stops, bookkeeping) fails only that request
                 seq.compute_seconds += elapsed * s.num_new_tokens / total
+                if s.draft:  # never under async scheduling (EngineConfig refuses the pair)
+                    outputs.append(self._append_verified(s, sampled, r, n_accepted, now))
+                    continue
                 if seq not in moved:
                     seq.num_computed_tokens = s.start + s.num_new_tokens
                     self.kv.commit(seq)
@@ -410,15 +431,32 @@ class LLMEngine:
                     continue
                 assert sampled is not None
                 token = sampled.token_ids[r]
-                lp = None
-                if seq.params.logprobs is not None and sampled.logprobs is not None:
-                    k = seq.params.logprobs
-                    top = list(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k])) if k else []
-                    lp = [TokenLogprob(token, sampled.logprobs[r], top)]
-                outputs.append(self._append_token(seq, token, lp, now))
+                outputs.append(self._append_token(seq, token, _logprobs(seq, sampled, r), now))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc, "postprocess"))
         return outputs
+
+    def _append_verified(self, s, sampled: SamplerOutput, r: int, n_accepted: int, now: float) -> RequestOutput:
+        """A speculative row (spec/verify.py): emit its accepted draft tokens and the token sampled after them
+        -- each through the usual stop / length / min_tokens handling, stopping at the first that finishes
+        the request -- then keep the KV of the accepted tokens only (the rejected ones' blocks are released)."""
+        seq = s.seq
+        self.spec.observe(seq, len(s.draft), n_accepted)  # before a finish reports the request's totals
+        outs = []
+        for j in range(n_accepted + 1):
+            outs.append(self._append_token(seq, sampled.token_ids[r + j], _logprobs(seq, sampled, r + j), now))
+            if outs[-1].finished:
+                break
+        if not seq.is_finished:
+            seq.num_computed_tokens = s.start + 1 + n_accepted  # its last token, then the accepted drafts
+            self.kv.commit(seq)
+            self.kv.truncate(seq)
+        out = outs[-1]
+        out.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        out.new_text = "".join(o.new_text for o in outs)
+        if out.logprobs is not None:
+            out.logprobs = [lp for o in outs for lp in o.logprobs]
+        return out
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
         seq.token_ids.append(token)
@@ -470,6 +508,8 @@ class LLMEngine:
             compute_seconds=seq.compute_seconds,
             logprobs=lp,
             clamped_from=seq.clamped_from,
+            num_draft_tokens=seq.spec_drafted,
+            num_accepted_tokens=seq.spec_accepted,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -480,6 +520,11 @@ class LLMEngine:
         self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
         if seq.adapter is not None:
             self.metrics.count_adapter(seq.adapter.name or seq.adapter.content_id[:12], seq.num_tokens)
+        if self.spec is not None:
+            self.spec.forget(seq.request_id)
+            if seq.spec_drafted:
+                self.metrics.count_spec(seq.adapter and (seq.adapter.name or seq.adapter.content_id[:12]),
+                                        seq.spec_drafted, seq.spec_accepted)
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -547,6 +592,15 @@ class LLMEngine:
                 self.wake.wait(0.05)  # waiting on an adapter load
                 self.wake.clear()
         return [results[rid] for rid in ids]
+
+
+def _logprobs(seq: Sequence, sampled: SamplerOutput, r: int) -> list[TokenLogprob] | None:
+    """Row r's sampled token with its logprob and the request's top alternatives, when it asked for them."""
+    if seq.params.logprobs is None or sampled.logprobs is None:
+        return None
+    k = seq.params.logprobs
+    top = list(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k])) if k else []
+    return [TokenLogprob(sampled.token_ids[r], sampled.logprobs[r], top)]
 
 
 def _attention_kernel(config: EngineConfig, mcfg, block_size: int):

@@ -77,6 +77,10 @@ class EngineMetrics:
         self._tenant_labels: set[str] = set()
         self._tenant_waiting_set: set[str] = set()
         self.model_name = model_name
+        self._spec_tokens = Counter(
+            "mplex_engine_spec_tokens_total", "Speculative decoding: draft tokens proposed and verified (kind=draft) "
+            "and accepted (kind=accepted), per adapter (base: the base model; bounded labels)",
+            ["model", "adapter", "kind"], registry=r)
 
     def _init_kv(self, counter, gauge) -> None:
         """KV tiering: swap traffic, the host tier, copy-on-write forks and the cost model's estimates."""
@@ -147,3 +151,17 @@ class EngineMetrics:
                 self._adapter_labels.add(name)
         self._adapter_requests.labels(model=self.model_name, adapter=name).inc()
         self._adapter_tokens.labels(model=self.model_name, adapter=name).inc(tokens)
+
+    def count_spec(self, adapter: str | None, drafted: int, accepted: int) -> None:
+        """A finished request's speculative totals, labelled by its adapter ("base" without one)."""
+        name = self.adapter_label(adapter) if adapter else "base"
+        self._spec_tokens.labels(model=self.model_name, adapter=name, kind="draft").inc(drafted)
+        self._spec_tokens.labels(model=self.model_name, adapter=name, kind="accepted").inc(accepted)
+
+    def adapter_label(self, name: str) -> str:
+        """Past MAX_ADAPTER_LABELS adapter names, the rest count as "other"."""
+        if name not in self._adapter_labels:
+            if len(self._adapter_labels) >= MAX_ADAPTER_LABELS:
+                return "other"
+            self._adapter_labels.add(name)
+        return name

@@ -5,6 +5,7 @@ the plan: block tables and how many tokens each sequence computes.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from services.engine.model.layers import LoraHook
 from services.engine.model.llama import LlamaModel
 from services.engine.sampler import SamplerOutput, SamplingBatch, sample
 from services.engine.scheduler import ScheduledSeq, StepPlan
+from services.engine.spec.verify import sample_rows as verify_rows
+from services.engine.spec.verify import split_verify_rows
 
 
 @dataclass(slots=True)
@@ -168,7 +171,8 @@ class ModelRunner:
         scheduled = plan.scheduled
         ids: list[int] = []
         for s in scheduled:
-            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.draft)])
+            ids.extend(s.draft)  # speculative rows: verified by sampling every one of their positions
         n_seqs = len(scheduled)
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
         lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
@@ -180,36 +184,40 @@ class ModelRunner:
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         ctx = starts + lens
 
+        # A draft's k + 1 query rows attend as k + 1 decode rows at consecutive positions: the decode kernel
+        # plain decoding uses, so each verified position is computed as plain decoding would compute it.
+        a_offsets, a_lens, a_ctx, a_tables = split_verify_rows(offsets, lens, ctx, tables,
+                                                               [bool(s.draft) for s in scheduled])
         groups: list[AttnGroup | DecodeGroup] = []
         if self.attention_kernel is not None:
-            decode = (lens == 1).nonzero().squeeze(1)
+            decode = (a_lens == 1).nonzero().squeeze(1)
             if decode.numel():
-                d_ctx = ctx[decode]
+                d_ctx = a_ctx[decode]
                 groups.append(DecodeGroup(
-                    rows=offsets[decode].to(dev), context_lens=d_ctx.to(dev),
-                    block_tables=tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous().to(dev),
+                    rows=a_offsets[decode].to(dev), context_lens=d_ctx.to(dev),
+                    block_tables=a_tables[decode, : int((d_ctx.max() + bs - 1) // bs)].contiguous().to(dev),
                     kernel=self.attention_kernel, sliding_window=self.model.config.sliding_window,
                     num_threads=torch.get_num_threads(),
                 ))
-            buckets = _prefill_buckets(lens, ctx, bs)
+            buckets = _prefill_buckets(a_lens, a_ctx, bs)
         else:
-            buckets = _attention_buckets(lens, ctx, bs)
+            buckets = _attention_buckets(a_lens, a_ctx, bs)
         for sel in buckets:
-            g_ctx = ctx[sel]
+            g_ctx = a_ctx[sel]
             nblocks = int((g_ctx.max() + bs - 1) // bs)
             groups.append(
                 build_group(
-                    offsets[sel].to(dev),
-                    lens[sel].to(dev),
+                    a_offsets[sel].to(dev),
+                    a_lens[sel].to(dev),
                     g_ctx.to(dev),
-                    tables[sel, :nblocks].to(dev),
+                    a_tables[sel, :nblocks].to(dev),
                     bs,
                     self.model.config.sliding_window,
                     self.model.dtype,
                 )
             )
-        samples = torch.tensor([s.samples for s in scheduled], dtype=torch.bool)
-        sample_rows = (offsets + lens - 1)[samples]
+        num_samples = torch.tensor([s.samples * (1 + len(s.draft)) for s in scheduled], dtype=torch.int64)
+        sample_rows = verify_rows(offsets + lens, num_samples)
         slot_list = [s.lora_slot for s in scheduled]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         has_lora = max(slot_list) >= 0
@@ -228,15 +236,18 @@ class ModelRunner:
         )
 
     def sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
-        params = [s.seq.params for s in sampled]
+        """One row per sampled position: a sequence with a k-token draft has k + 1, the j-th sampling output
+        position n + j (its counter, and its min_tokens ban) as plain decoding would (spec/verify.py)."""
+        reps = [1 + len(s.draft) for s in sampled]
+        params = [s.seq.params for s, r in zip(sampled, reps) for _ in range(r)]
         temps = [p.temperature for p in params]
         top_p = [p.top_p for p in params]
         top_k = [max(p.top_k, 0) for p in params]
+        counters = [s.seq.num_output_tokens + j for s, r in zip(sampled, reps) for j in range(r)]
         banned_rows: list[int] = []
         banned_cols: list[int] = []
-        for row, s in enumerate(sampled):
-            p = s.seq.params
-            if s.seq.num_output_tokens < p.min_tokens:
+        for row, (p, n) in enumerate(zip(params, counters)):
+            if n < p.min_tokens:
                 for tok in (*self.eos_token_ids, *p.stop_token_ids):
                     banned_rows.append(row)
                     banned_cols.append(tok)
@@ -246,8 +257,8 @@ class ModelRunner:
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            seeds=torch.tensor([s.seq.seed for s in sampled], dtype=torch.int64, device=dev),
-            counters=torch.tensor([s.seq.num_output_tokens for s in sampled], dtype=torch.int64, device=dev),
+            seeds=torch.tensor([s.seq.seed for s, r in zip(sampled, reps) for _ in range(r)], dtype=torch.int64, device=dev),
+            counters=torch.tensor(counters, dtype=torch.int64, device=dev),
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=dev) if banned_rows else None,
             banned_cols=torch.tensor(banned_cols, dtype=torch.int64, device=dev) if banned_rows else None,
             num_logprobs=max(logprobs) if logprobs else -1,
@@ -275,7 +286,9 @@ class ModelRunner:
         masks = self._mask_filler().start([inputs.sampled[r].seq.matcher for r in guided]) if guided else None
         batch = self.sampling_batch(inputs.sampled) if inputs.sampled else None
         if masks is not None:
-            batch.guided_rows = torch.tensor(guided, dtype=torch.int64, device=self.device)
+            # Constrained sequences get no draft (spec/controller.py): one row each, after others' drafts.
+            first = list(itertools.accumulate((1 + len(s.draft) for s in inputs.sampled), initial=0))
+            batch.guided_rows = torch.tensor([first[r] for r in guided], dtype=torch.int64, device=self.device)
         return PreparedStep(inputs, lora, batch, masks)
 
     @torch.inference_mode()

@@ -33,12 +33,15 @@ class ScheduledSeq:
     num_new_tokens: int
     block_table: tuple[int, ...]
     lora_slot: int  # -1 = base model
+    # Speculative tokens computed after the sequence's last token (counted in num_new_tokens), verified by
+    # sampling each of their positions (spec/verify.py).
+    draft: tuple[int, ...] = ()
     # True when this step computes the sequence's last known token, so a new one is sampled. Fixed when the
     # step is planned: with async scheduling (overlap.py) the sequence grows before this step is post-processed.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.start + self.num_new_tokens == self.seq.num_tokens)
+        object.__setattr__(self, "samples", self.start + self.num_new_tokens - len(self.draft) == self.seq.num_tokens)
 
 
 @dataclass(slots=True)
@@ -173,10 +176,24 @@ class Scheduler:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, self._budget(plan))
         if not self.config.chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
             return
+        if draft := self._fit_draft(seq, num_new, plan):
+            plan.scheduled.append(self._scheduled(seq, 1 + len(draft), draft))
+            return
         while seq.status is Status.RUNNING and not self.kv.allocate(seq, num_new):
             self._preempt(self._pick_victim(), plan)
         if seq.status is Status.RUNNING:
             plan.scheduled.append(self._scheduled(seq, min(num_new, self._budget(plan))))
+
+    def _fit_draft(self, seq: Sequence, num_new: int, plan: StepPlan) -> tuple[int, ...]:
+        """The part of a decode's speculative draft (seq.spec_draft) that costs no one anything: budget this
+        step has left, and KV blocks that still leave one free per running sequence -- a draft never
+        preempts. Allocates its blocks; () when none of it fits."""
+        draft = seq.spec_draft[: self._budget(plan) - 1]
+        if not draft or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return ()
+        if self.kv.blocks_needed(seq, 1 + len(draft)) + len(self.running) > self.kv.num_free_blocks:
+            return ()
+        return draft if self.kv.allocate(seq, 1 + len(draft)) else ()
 
     def _fill(self, plan: StepPlan, prefills: list[Sequence], admit: bool) -> None:
         """The budget left after decodes, class by class: the running sequences' prefill chunks and new
@@ -312,7 +329,7 @@ class Scheduler:
                 longest[s.lora_slot] = max(longest.get(s.lora_slot, 0), left)
         return min(longest, key=longest.__getitem__) if longest else None
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, num_new: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
         self.tenants.charge(seq, num_new)  # the tenant's virtual clock: tokens computed for it / weight
         return ScheduledSeq(
             seq=seq,
@@ -320,6 +337,7 @@ class Scheduler:
             num_new_tokens=num_new,
             block_table=tuple(self.kv.block_table(seq.request_id)),
             lora_slot=seq.lora_slot,
+            draft=draft,
         )
 
     def _pick_victim(self) -> Sequence:

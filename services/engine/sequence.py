@@ -44,6 +44,14 @@ class Sequence:
     lora_slot: int = -1  # device slot of its adapter while running; -1 = base model
     slot_wait_steps: int = 0  # steps spent waiting for a device slot while its adapter was host-resident
     matcher: Matcher | None = None  # its grammar state when the output is constrained (params.guide)
+    # Speculative decoding (spec/): this step's draft (set by the controller before scheduling), the
+    # request's totals, and its per-token acceptance estimate as decayed (accepted, trials) sums.
+    spec_draft: tuple[int, ...] = ()
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_hits: float = 0.0
+    spec_trials: float = 0.0
+    spec_idle_steps: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

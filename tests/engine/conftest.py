@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig
 from services.engine.core_client import CoreClient
 from services.engine.core_process import run_core
 from services.engine.engine import LLMEngine, RequestOutput
@@ -55,6 +55,7 @@ def make_config(
     kv_dtype: str = "auto",
     failpoints: tuple[tuple[str, int], ...] = (),
     async_scheduling: bool = False,
+    speculative: str = "off",
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -69,6 +70,8 @@ def make_config(
         cpu_attention=cpu_attention,
         failpoints=failpoints,
         async_scheduling=async_scheduling,
+        # Draft lengths from acceptance only: which steps speculate must not depend on this machine's speed.
+        speculative=SpeculativeConfig(method=speculative, adaptive_to_load=False),
     )
 
 
@@ -152,3 +155,9 @@ def run_all(engine: LLMEngine, requests: list[dict]) -> dict[str, list[int]]:
             engine.wake.clear()
     engine.check_integrity()
     return out
+
+
+def spec_tokens(engine: LLMEngine, kind: str = "accepted") -> float:
+    """Speculative draft ("draft") or accepted ("accepted") tokens of finished requests, over all adapters."""
+    return sum(s.value for m in engine.metrics.registry.collect() if m.name == "mplex_engine_spec_tokens"
+               for s in m.samples if s.name.endswith("_total") and s.labels.get("kind") == kind)

@@ -17,7 +17,7 @@ from services.common.lora_format import content_id
 from services.common.prompting import PromptBuilder
 from services.engine.config import EngineConfig
 from services.engine.sequence import AdapterRef, InvalidRequest, SamplingParams
-from tests.engine.conftest import make_config, make_engine, record_swaps, run_all, run_all_split
+from tests.engine.conftest import make_config, make_engine, record_swaps, run_all, run_all_split, spec_tokens
 from tests.engine.oracle import TieLog, hf_greedy
 
 MAX_NEW = 24
@@ -376,3 +376,14 @@ def test_async_scheduling_more_adapters_than_slots_with_preemption(demo_kit, wor
     _check("lora-async", engine, workload, refs_of, peft_refs)
     assert engine.scheduler.num_preemptions > 0
     assert engine.adapters.slot_loads > len({a for a, _ in workload if a})
+
+
+def test_speculative_decoding_with_many_adapters_matches_peft(demo_kit, workload, refs_of, peft_refs):
+    """Prompt-lookup drafts verified under each row's adapter (its SGMV segment covers the draft rows), with
+    chunked prefill, prefix hits and preemption, more adapters than slots: PEFT's tokens."""
+    need = max(len(p) + MAX_NEW for _, p in workload)
+    engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
+                         num_blocks=need // 4 + 30, preemption_mode="recompute", speculative="ngram")
+    _check("lora-spec", engine, workload, refs_of, peft_refs)
+    assert spec_tokens(engine, "accepted") > 0
+    assert engine.scheduler.num_preemptions > 0

@@ -247,6 +247,21 @@ class KVCacheManager:
         if swapped is not None:
             self.host.release([e.host for e in swapped.blocks if e.host is not None])
 
+    def truncate(self, req: KVRequest) -> None:
+        """Release the blocks past those holding the request's computed tokens: the blocks a speculative
+        draft took for tokens that were rejected (their slots inside a kept block are simply written again).
+        Blocks past the computed tokens are never shared or cached: only full computed blocks are published,
+        and a fork shares only computed ones."""
+        table = self._tables.get(req.request_id)
+        if not table:
+            return
+        keep = -(-req.num_computed_tokens // self.block_size)
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            assert all(self.pool.blocks[b].ref_cnt == 1 and self.pool.blocks[b].hash is None for b in extra)
+            self.pool.release(extra)
+
     # -- forks ---------------------------------------------------------------------------------
     def fork(self, source: KVRequest, num_tokens: int) -> PrefixHit:
         """A hit sharing the blocks that hold `source`'s first `num_tokens` tokens, partial last block

@@ -1,0 +1,150 @@
+"""Speculative decoding (prompt lookup) vs plain decoding on the demo model, same requests, same run.
+
+For each task -- the four demo adapters' (reverse, sort, uppercase, opposites) and the base model's (repeat:
+copy the prompt's list; chat: facts, capitals, sums, counting) -- requests run closed-loop at concurrency 1,
+4 and 16, and at saturation (every request at once). Each cell runs plain, then speculative, on two engines
+built alike; outputs are checked identical. Figures: TPOT p50 (per request: (last - first token) / (n - 1)),
+output tok/s, acceptance rate (accepted / drafted) and tokens emitted per verified step.
+
+Greedy, EOS honoured (outputs are as long as the task's answer), in-process engines (no HTTP).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+
+import torch
+
+from bench.common import Target, pct, table, write_results
+
+CONCURRENCY = (1, 4, 16)
+SATURATION = int(os.environ.get("MPLEX_BENCH_SPEC_SATURATION", "128"))
+PER_CELL = {1: 12, 4: 24, 16: 48}
+ADAPTER_TASKS = ("reverse", "sort", "uppercase", "opposites")
+BASE_TASKS = {"repeat": ("repeat",), "chat": ("fact", "capital", "add", "count")}
+COPY_HEAVY_ADAPTERS = ("reverse", "sort")  # their answers reuse the prompt's words / numbers
+MAX_TOKENS = 48
+
+
+def _prompts(kit, task: str, n: int, seed: int) -> list[list[int]]:
+    from services.common.prompting import PromptBuilder
+    from services.modelkit import corpus
+
+    builder = PromptBuilder(kit.base_dir)
+    rng = random.Random(f"spec-bench:{task}:{seed}")
+    makers = [corpus.ADAPTER_TASKS[task]] if task in corpus.ADAPTER_TASKS else [
+        corpus.BASE_TASKS[t][0] for t in BASE_TASKS[task]]
+    return [builder.chat_ids([{"role": "user", "content": makers[i % len(makers)](rng).prompt}]) for i in range(n)]
+
+
+def _engine(kit, spec: bool):
+    from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from services.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model_dir=kit.base_dir, served_model_name=kit.model_name, cache=CacheConfig(memory_bytes=512 * 2**20),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=1024),
+        speculative=SpeculativeConfig(method="ngram" if spec else "off"),
+    )
+    return LLMEngine(cfg)
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, adapter) -> dict:
+    """Keep `concurrency` requests in flight until all are done; per-token arrival times from the step loop."""
+    from services.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    pending = list(enumerate(prompts))[::-1]
+    stamps: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    drafted = accepted = verify_steps = 0
+    in_flight = 0
+    t0 = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, p = pending.pop()
+            engine.add_request(f"q{i}", p, params, adapter=adapter)
+            stamps[f"q{i}"], tokens[f"q{i}"] = [], []
+            in_flight += 1
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            assert o.error is None, o.error
+            stamps[o.request_id] += [now] * len(o.new_token_ids)
+            tokens[o.request_id] += o.new_token_ids
+            verify_steps += len(o.new_token_ids) > 1
+            if o.finished:
+                in_flight -= 1
+                drafted += o.num_draft_tokens
+                accepted += o.num_accepted_tokens
+        if engine.last_plan_empty and in_flight:
+            engine.wake.wait(0.05)  # an adapter loading
+            engine.wake.clear()
+    wall = time.perf_counter() - t0
+    engine.check_integrity()
+    tpots = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values() if len(s) > 1]
+    n_out = sum(len(t) for t in tokens.values())
+    return {"wall_s": wall, "output_tokens": n_out, "output_tok_s": n_out / wall, "tpot_p50_ms": 1000 * pct(tpots, 50),
+            "tpot_mean_ms": 1000 * sum(tpots) / max(1, len(tpots)), "drafted": drafted, "accepted": accepted,
+            "tokens": [tokens[f"q{i}"] for i in range(len(prompts))]}
+
+
+def _mean(x: dict, y: dict) -> dict:
+    out = {k: (x[k] + y[k]) / 2 for k in ("wall_s", "output_tok_s", "tpot_p50_ms", "tpot_mean_ms")}
+    out.update({k: x[k] + y[k] for k in ("output_tokens", "drafted", "accepted")})
+    return out
+
+
+def main() -> None:
+    from services.common.lora_format import content_id
+    from services.engine.sequence import AdapterRef
+    from services.modelkit import ensure_demo
+
+    # One thread: on the shared 2-core VM two torch threads per engine contend with every other process.
+    torch.set_num_threads(int(os.environ.get("MPLEX_BENCH_THREADS", "1")))
+    kit = ensure_demo()
+    refs = {n: AdapterRef(content_id(a.path), n, str(a.path)) for n, a in kit.adapters.items()}
+    plain, spec = _engine(kit, False), _engine(kit, True)
+    tasks = [(t, refs[t]) for t in ADAPTER_TASKS] + [(t, None) for t in BASE_TASKS]
+    for task, ref in tasks:  # warm-up: adapters loaded, first-step costs paid
+        warm = _prompts(kit, task, 2, seed=99)
+        closed_loop(plain, warm, 2, ref), closed_loop(spec, warm, 2, ref)
+    cells: dict[str, dict] = {}
+    rows = []
+    for task, ref in tasks:
+        for conc in (*CONCURRENCY, "sat"):
+            n = SATURATION if conc == "sat" else PER_CELL[conc]
+            prompts = _prompts(kit, task, n, seed=1)
+            c = n if conc == "sat" else conc
+            # A B B A: the VM's load drifts within seconds; each side's figures are the mean of its two runs.
+            a1, b1 = closed_loop(plain, prompts, c, ref), closed_loop(spec, prompts, c, ref)
+            b2, a2 = closed_loop(spec, prompts, c, ref), closed_loop(plain, prompts, c, ref)
+            identical = a1["tokens"] == b1["tokens"] == b2["tokens"] == a2["tokens"]
+            a, b = _mean(a1, a2), _mean(b1, b2)
+            cell = {"plain": a, "spec": b, "identical": identical,
+                    "tpot_ratio": a["tpot_p50_ms"] / b["tpot_p50_ms"],
+                    "throughput_ratio": b["output_tok_s"] / a["output_tok_s"],
+                    "acceptance": b["accepted"] / b["drafted"] if b["drafted"] else float("nan")}
+            cells[f"{task}/c{conc}"] = cell
+            rows.append([task, conc, a["tpot_p50_ms"], b["tpot_p50_ms"], cell["tpot_ratio"], a["output_tok_s"],
+                         b["output_tok_s"], cell["throughput_ratio"], b["drafted"], cell["acceptance"],
+                         "yes" if identical else "NO"])
+            print(f"{task} c={conc}: TPOT {a['tpot_p50_ms']:.2f} -> {b['tpot_p50_ms']:.2f} ms, "
+                  f"{a['output_tok_s']:.0f} -> {b['output_tok_s']:.0f} tok/s, acceptance {cell['acceptance']:.2f}, "
+                  f"identical={identical}", flush=True)
+    print(table("speculative (ngram) vs plain decoding, greedy, same requests",
+                ["task", "conc", "TPOT plain ms", "TPOT spec ms", "TPOT ratio", "tok/s plain", "tok/s spec",
+                 "tok/s ratio", "drafted", "accept rate", "identical"], rows))
+    targets = []
+    for task in COPY_HEAVY_ADAPTERS:
+        for conc in (1, 4):
+            targets.append(Target(f"{task} c={conc}: TPOT plain / spec", cells[f"{task}/c{conc}"]["tpot_ratio"], 1.6))
+    for conc in (1, 4):
+        targets.append(Target(f"base chat c={conc}: TPOT plain / spec", cells[f"chat/c{conc}"]["tpot_ratio"], 1.2))
+    sat = [cells[f"{t}/csat"]["throughput_ratio"] for t, _ in tasks]
+    targets.append(Target("saturation: spec / plain output tok/s (worst task)", min(sat), 0.97))
+    targets.append(Target("outputs identical (cells)", sum(c["identical"] for c in cells.values()), len(cells)))
+    write_results("spec", {"cells": cells, "concurrency": list(CONCURRENCY), "saturation_requests": SATURATION,
+                           "max_tokens": MAX_TOKENS, "drafter": "ngram"}, targets)
