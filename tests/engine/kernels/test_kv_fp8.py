@@ -223,3 +223,42 @@ def test_the_native_writer_refuses_what_it_cannot_write_safely(native):
     refused("contiguous 4-D", [0], k_cache=torch.zeros(3, block_size, heads, dim))
     refused("k_scales must be", [0], k_scales=torch.zeros(3, heads + 1))
     refused("k_scales must be", [0], k_scales=torch.zeros(3, heads, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dim", [16, 24, 64, 128])
+def test_the_key_rotation_is_orthogonal_fixed_and_keeps_scores(dim):
+    from services.engine.kernels import kv_fp8
+
+    rot = kv_fp8.key_rotation(dim)
+    assert rot.shape == (dim, dim) and rot.dtype == torch.float32
+    assert torch.allclose(rot @ rot.T, torch.eye(dim), atol=1e-6)
+    kv_fp8._ROTATIONS.clear()  # rebuilt from scratch: the same bits (every process must agree)
+    assert torch.equal(kv_fp8.key_rotation(dim), rot)
+    assert not torch.allclose(rot.abs(), torch.eye(dim))  # it mixes channels
+    gen = torch.Generator().manual_seed(dim)
+    q, k = torch.randn(32, dim, generator=gen), torch.randn(32, dim, generator=gen)
+    assert torch.allclose((q @ rot) @ (k @ rot).T, q @ k.T, atol=1e-4)
+
+
+def test_rotating_keys_cuts_the_score_error_of_keys_with_outlier_channels():
+    """The point of the rotation: keys and queries that put their weight on a few shared channels (as RoPE's
+    slow channels do) give scores whose fp8 error rests on those few elements; rotated, it averages out."""
+    from services.engine.kernels.kv_fp8 import key_rotation
+
+    gen = torch.Generator().manual_seed(7)
+    block_size, dim, n = 16, 24, 64
+    boost = torch.ones(dim)
+    boost[[3, 11]] = 12.0  # two outlier channels
+    k = torch.randn(n * block_size, 1, dim, generator=gen) * boost
+    q = torch.randn(256, dim, generator=gen) * boost
+    exact = q @ k[:, 0].T
+
+    def score_error(rot):
+        cache = torch.zeros(n, block_size, 1, dim, dtype=FP8_KV_DTYPE)
+        scales = torch.zeros(n, 1)
+        write_fp8_kv(cache, scales, k @ rot, Fp8WritePlan.build(torch.arange(n * block_size), block_size))
+        back = dequantize(cache, scales).reshape(-1, dim)
+        return ((q @ rot) @ back.T - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()
+
+    plain, rotated = score_error(torch.eye(dim)), score_error(key_rotation(dim))
+    assert rotated < 0.7 * plain, (float(plain), float(rotated))
