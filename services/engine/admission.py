@@ -20,6 +20,9 @@ from services.common.wire import EngineUnavailable, Priority
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import FCFS_TENANT
 
+# What a front-end needs of SchedulerConfig to run `check` as the core would (sent in EngineInfo.admission).
+ADMISSION_FIELDS = ("policy", "max_num_seqs", "max_num_batched_tokens", "interactive_ttft_slo_s", "batch_ttft_slo_s",
+                    "admission_headroom", "overload_window_s")
 EWMA = 0.2  # weight of the newest step in the step-time estimate
 RATE_TAU_S = 2.0  # time constant of the finish-rate estimate (and how long it is observed before it is trusted)
 
@@ -47,6 +50,14 @@ class LoadTracker:
         self._finish_rate = 0.0
         self._first_step_at: float | None = None
         self._overloaded_until = 0.0
+
+    @classmethod
+    def for_frontend(cls, fields: dict) -> "LoadTracker":
+        """A tracker on a front-end: no steps of its own, its snapshot replaced by each `Load` from the core."""
+        return cls(SchedulerConfig(**{k: fields[k] for k in ADMISSION_FIELDS}))
+
+    def admission_fields(self) -> dict:
+        return {k: getattr(self.config, k) for k in ADMISSION_FIELDS}
 
     def overloaded(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self._overloaded_until
