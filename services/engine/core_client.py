@@ -188,12 +188,13 @@ class CoreClient:
                 self._send(Abort([request_id]))
 
     def _admit(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> None:
-        """Refuse (EngineUnavailable, engine_overloaded) what the core's last Load says cannot meet its TTFT
-        budget: at once, without the round trip through the step loop; the core is told, to count it."""
+        """Refuse (EngineUnavailable, engine_overloaded) what the core's last Load says must wait for seats past
+        its TTFT budget: at once, without the round trip through the step loop; the core is told, to count it.
+        Anything else goes to the core, which checks again on its newest state."""
         if self.admission is None:
             return
         try:
-            self.admission.check(tenant, weight, priority, prompt_len)
+            self.admission.check(tenant, weight, priority, prompt_len, early=True)
         except EngineUnavailable:
             self._send(Shed(int(priority)))
             raise
