@@ -146,7 +146,10 @@ class LoadTracker:
         if budget is None:
             return
         estimate, waits_for_seats = self._estimate(tenant, weight, priority, prompt_len)
-        if estimate is None or estimate <= budget * self.config.admission_headroom or (early and not waits_for_seats):
+        # The headroom covers the seat-wait estimate (a finish rate, noisy); a request with a seat free is
+        # refused only if its prefill steps alone exceed the budget -- no engine would serve it sooner.
+        limit = budget * self.config.admission_headroom if waits_for_seats else budget
+        if estimate is None or estimate <= limit or (early and not waits_for_seats):
             return
         self.mark_overloaded(time.monotonic())
         wait = "no seat has freed up lately" if math.isinf(estimate) else f"the estimated wait is {estimate:.1f}s"
