@@ -79,11 +79,7 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def verdict_path(home: Path, model_dir: Path, dtype: str, weight_dtype: str) -> Path:
-    """Per model fingerprint, dtypes and fp8 KV scheme: a verdict measured before the scheme changed (its
-    coding, scales or key rotation) says nothing about the one served now."""
-    from services.engine.kernels.kv_fp8 import FP8_KV_SCHEME
-
-    return Path(home) / VERDICT_DIR / f"{model_fingerprint(model_dir)}-{dtype}-{weight_dtype}-{FP8_KV_SCHEME}.json"
+    return Path(home) / VERDICT_DIR / f"{model_fingerprint(model_dir)}-{dtype}-{weight_dtype}.json"
 
 
 def record_verdict(home: Path, model_dir: Path, result: KvGateResult) -> Path:

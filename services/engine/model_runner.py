@@ -12,7 +12,7 @@ import torch
 
 from services.engine.config import KV_SCALE_DTYPE
 from services.engine.grammar import MaskFiller
-from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan, key_rotation
+from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan
 from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
 from services.engine.model.attention import (AttnGroup, AttnMetadata, DecodeGroup, DecodeKernel, Fp8Writer, LayerKV,
                                              build_group)
@@ -67,11 +67,9 @@ class ModelRunner:
         def zeros(shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
-        rotation = key_rotation(cfg.head_dim, self.device) if self.kv_fp8 else None
         self.kv_caches = [
             LayerKV(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype),
-                    *((zeros(shape[::2], KV_SCALE_DTYPE), zeros(shape[::2], KV_SCALE_DTYPE)) if self.kv_fp8 else ()),
-                    k_rotation=rotation)
+                    *((zeros(shape[::2], KV_SCALE_DTYPE), zeros(shape[::2], KV_SCALE_DTYPE)) if self.kv_fp8 else ()))
             for _ in range(cfg.num_layers)
         ]
 

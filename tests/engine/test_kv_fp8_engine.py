@@ -205,22 +205,3 @@ def test_fp8_with_a_sliding_window_is_independent_of_chunking_and_path(window_mo
         runs[name] = _greedy(engine, prompts, max_tokens=30)
     assert runs["chunked"] == runs["whole"]
     assert runs["torch"] == runs["whole"]
-
-
-@pytest.mark.parametrize("cpu_attention", ["native", "torch"])
-def test_every_attention_path_reads_keys_in_the_rotated_basis(tiny_model, cpu_attention):
-    """fp8 caches store keys rotated (kv_fp8.key_rotation) and attention rotates queries alike. Put the same
-    rotation on an fp32 cache, where nothing is quantized: scores are unchanged up to rounding, so greedy
-    tokens must match the unrotated engine on every path (chunked prefill + decode; a path that read keys
-    without rotating its queries would attend to noise). And an fp8 engine does rotate."""
-    from services.engine.kernels.kv_fp8 import key_rotation
-
-    prompts = [list(range(40, 90)), [5, 9, 13, 200, 17] * 7, list(range(300, 311))]
-    plain = _greedy(make_engine(tiny_model, cpu_attention=cpu_attention, budget=32), prompts, max_tokens=12)
-    engine = make_engine(tiny_model, cpu_attention=cpu_attention, budget=32)
-    rot = key_rotation(engine.model.config.head_dim)
-    for layer in engine.runner.kv_caches:
-        layer.k_rotation = rot
-    assert _greedy(engine, prompts, max_tokens=12) == plain
-    fp8 = make_engine(tiny_model, kv_dtype="fp8")
-    assert all(torch.equal(layer.k_rotation, rot) for layer in fp8.runner.kv_caches)

@@ -18,15 +18,6 @@ split over steps (chunked prefill, decode, recompute after preemption) nor on wh
   written token by token holds exactly the bytes of the same block written at once (round-to-nearest
   would not: rounding twice differs from rounding once at ties).
 
-**Key rotation**: keys are stored rotated, k R with R a fixed orthogonal [D, D] matrix (`key_rotation`), and
-queries are rotated alike before attention, so q R . k R = q . k: scores are unchanged in exact arithmetic,
-and every read path (native C, torch, Triton) reads the rotated keys as they are. Why: e4m3 keeps ~3 bits of
-mantissa per element, so a key's error on a score q . k is sum_i q_i k_i d_i with relative errors d_i; when q
-and k put their weight on the same few channels (RoPE's slow channels do), that sum rests on a few elements'
-errors. A rotation spreads every vector over all channels (QuaRot, SpinQuant): the error averages over D
-elements instead. It is per token (a block's bytes still depend only on its tokens), deterministic (a seeded
-matrix, the same in every process), and values are not rotated (V's agreement was already 99.6%).
-
 The e4m3 "NaN" code and 448 are never written (|x/s| < 448 truncates to at most 416). Decoding uses
 integer bit moves, never torch's fp8 conversion (whose round trip would read codes as their lower bound).
 """
@@ -37,10 +28,6 @@ from dataclasses import dataclass
 import torch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-# Names the scheme -- coding, scales and key rotation -- so that a gate verdict measured on one scheme is never
-# taken for another (kv_gate.verdict_path).
-FP8_KV_SCHEME = "e4m3-block-head-pow2-trunc-mid-krot1"
-ROTATION_SEED = 0x6B726F74  # fixed: every process (and every engine of a fleet) must build the same matrix
 MAX_EXP = 127  # scale exponents are clamped to [MIN_EXP, MAX_EXP]; non-finite amax gives MAX_EXP
 MIN_EXP = -126  # an all-zero run gets the smallest scale, so it never dominates a later max
 
@@ -63,32 +50,6 @@ def scale_for(amax: torch.Tensor) -> torch.Tensor:
     """The power-of-two scale for a run of values with this amax (fp32, same shape)."""
     k = scale_exponent(amax)
     return torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
-
-
-_ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def key_rotation(head_dim: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """The fixed orthogonal [D, D] fp32 matrix keys (and queries) are rotated by before an fp8 cache.
-
-    A randomized Hadamard transform where D is a power of two (QuaRot: H diag(signs) / sqrt(D)); else the
-    Q factor of a seeded Gaussian matrix, signs fixed by R's diagonal so that it is unique. Built in float64
-    on the CPU (the same bits on every machine), cached per (D, device)."""
-    key = (head_dim, str(device))
-    rot = _ROTATIONS.get(key)
-    if rot is None:
-        gen = torch.Generator().manual_seed(ROTATION_SEED + head_dim)
-        if head_dim & (head_dim - 1) == 0:
-            h = torch.ones(1, 1, dtype=torch.float64)
-            while h.shape[0] < head_dim:
-                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-            signs = torch.randint(0, 2, (head_dim,), generator=gen).to(torch.float64) * 2 - 1
-            m = signs[:, None] * h / head_dim**0.5
-        else:
-            q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
-            m = q * torch.sign(torch.diagonal(r))[None, :]
-        rot = _ROTATIONS[key] = m.to(torch.float32).to(device)
-    return rot
 
 
 def quantize_trunc(y: torch.Tensor) -> torch.Tensor:

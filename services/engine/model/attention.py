@@ -9,8 +9,7 @@ cache the Triton paged decode kernel (kernels/decode_attention.py) does the same
 per-sequence Python loop in the forward.
 
 An fp8 cache (kernels/kv_fp8.py) is written through the scheme's writer (the native one on the CPU in
-fp32) and read dequantized: by the decode kernels in registers, by the SDPA path after its gather. Its keys
-are stored rotated (kv_fp8.key_rotation) and queries rotated alike here, before any path reads them.
+fp32) and read dequantized: by the decode kernels in registers, by the SDPA path after its gather.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ class LayerKV:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-    k_rotation: torch.Tensor | None = None  # fp8: keys are stored rotated by this [D, D] (kv_fp8.key_rotation)
 
     @property
     def is_fp8(self) -> bool:
@@ -157,10 +155,6 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; cache: [num_blocks, block_size, KVH, D] K and V. Returns [T, H, D]."""
     num_blocks, block_size, kv_heads, head_dim = cache.k.shape
-    if cache.k_rotation is not None:  # q R . k R = q . k: every path below attends in the rotated basis
-        rot = cache.k_rotation.to(q.dtype)
-        q = (q.reshape(-1, head_dim) @ rot).view(q.shape)
-        k = (k.reshape(-1, head_dim) @ rot).view(k.shape)
     write_kv(k, v, cache, meta)
     out = torch.empty_like(q)
     for group in meta.groups:  # prefill rows, and decode rows (bucketed by context length on the torch path)
