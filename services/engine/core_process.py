@@ -86,7 +86,7 @@ class EngineCore:
                     outputs = engine.recover(exc)  # raises if the state is inconsistent: then the core stops
                 if outputs:
                     self._send_outputs(outputs)
-                self._publish_load()
+                self._publish_load(force=not engine.has_unfinished())
         except BaseException as exc:
             log.exception("engine core stopped: its state could not be trusted")
             for fe in self.frontends:
@@ -145,11 +145,13 @@ class EngineCore:
         self.sock.send_multipart([fe, encode(Ready(self.info))])
         self.sock.send_multipart([fe, encode(Load.of(self.engine.load.snapshot))])
 
-    def _publish_load(self) -> None:
+    def _publish_load(self, force: bool = False) -> None:
         """Every front-end gets the admission snapshot after a step, at most every LOAD_INTERVAL_S: what it
-        refuses on at once (one small message; steps under load take longer than the interval anyway)."""
+        refuses on at once (one small message; steps under load take longer than the interval anyway).
+        `force` after the last step before idling: no step follows to correct a skipped one, and a front-end
+        must not keep refusing on a busy view of an idle core."""
         now = time.monotonic()
-        if now - self._load_sent_at < LOAD_INTERVAL_S:
+        if not force and now - self._load_sent_at < LOAD_INTERVAL_S:
             return
         self._load_sent_at = now
         data = encode(Load.of(self.engine.load.snapshot))
