@@ -252,7 +252,10 @@ def main() -> None:
         if "ramp" in PARTS:
             procs, base = _start(urls, settings, kit, logs, "fair", ["--max-num-seqs", str(RAMP_SEATS)])
             try:
-                capacity = asyncio.run(closed_loop_rate(base, kit.model_name, key_a))
+                # MPLEX_BENCH_FAIR_CAPACITY: a capacity measured earlier, when a machine busy with other work
+                # would mismeasure it (the ramp then never reaches overload).
+                fixed = os.environ.get("MPLEX_BENCH_FAIR_CAPACITY")
+                capacity = float(fixed) if fixed else asyncio.run(closed_loop_rate(base, kit.model_name, key_a))
                 print(f"  capacity (closed loop, {RAMP_SEATS} seats per engine): {capacity:.2f} req/s", flush=True)
                 for k, mult in enumerate(RAMP):
                     level = asyncio.run(ramp_level(base, kit.model_name, key_a, mult * capacity, RAMP_LEVEL_S, k + 1))

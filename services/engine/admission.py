@@ -20,6 +20,9 @@ from services.common.wire import EngineUnavailable, Priority
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import FCFS_TENANT
 
+# What a front-end needs of SchedulerConfig to run `check` as the core would (sent in EngineInfo.admission).
+ADMISSION_FIELDS = ("policy", "max_num_seqs", "max_num_batched_tokens", "interactive_ttft_slo_s", "batch_ttft_slo_s",
+                    "admission_headroom", "overload_window_s")
 EWMA = 0.2  # weight of the newest step in the step-time estimate
 RATE_TAU_S = 2.0  # time constant of the finish-rate estimate (and how long it is observed before it is trusted)
 
@@ -47,6 +50,14 @@ class LoadTracker:
         self._finish_rate = 0.0
         self._first_step_at: float | None = None
         self._overloaded_until = 0.0
+
+    @classmethod
+    def for_frontend(cls, fields: dict) -> "LoadTracker":
+        """A tracker on a front-end: no steps of its own, its snapshot replaced by each `Load` from the core."""
+        return cls(SchedulerConfig(**{k: fields[k] for k in ADMISSION_FIELDS}))
+
+    def admission_fields(self) -> dict:
+        return {k: getattr(self.config, k) for k in ADMISSION_FIELDS}
 
     def overloaded(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self._overloaded_until
@@ -85,6 +96,10 @@ class LoadTracker:
     # -- on the event loop -------------------------------------------------------------------------
     def estimate_ttft(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> float | None:
         """Seconds until a request arriving now would get its first token; None when it cannot be told yet."""
+        return self._estimate(tenant, weight, priority, prompt_len)[0]
+
+    def _estimate(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> tuple[float | None, bool]:
+        """(estimate_ttft, whether the request must wait for seats to free up)."""
         snap = self.snapshot
         fair = self.config.policy == "fair"
         key = tenant if fair else FCFS_TENANT
@@ -92,14 +107,14 @@ class LoadTracker:
         prefill = snap.step_s * (1 + math.ceil(prompt_len / self.config.max_num_batched_tokens))
         ahead_all = sum(n for (c, _), n in snap.waiting.items() if c <= prio)
         if snap.free_seats > ahead_all:
-            return prefill  # a seat is free for it
+            return prefill, False  # a seat is free for it
         if fair:
             weights = dict(snap.weights)
             weights.setdefault(key, weight)
             share = self.config.max_num_seqs * weights[key] / sum(weights.values())
             own = sum(n for (c, k), n in snap.waiting.items() if k == key and c <= prio)
             if snap.running.get(key, 0) + own + 1 <= share:
-                return prefill  # under its fair share: the scheduler preempts an over-share tenant for it
+                return prefill, False  # under its fair share: the scheduler preempts an over-share tenant for it
             # Weighted fair queuing: its own backlog goes first, and about as much of every other tenant's
             # (scaled by weight) is served in between.
             ahead = sum(min(n, (own + 1) * weights.get(k, 1.0) / weights[key])
@@ -108,25 +123,33 @@ class LoadTracker:
             ahead = ahead_all
         seats_needed = ahead + 1 - snap.free_seats  # seats that must free up before it is seated
         if seats_needed <= 0:
-            return prefill
+            return prefill, False
         # It will wait at least as long as the requests queued before it (its own tenant's, or everyone's
         # under FCFS) have waited already: an observed lower bound that does not depend on the rate estimate.
         now = time.monotonic()
         waited = max((now - t for (c, k), t in snap.oldest.items() if c <= prio and (k == key or not fair)), default=0.0)
         if snap.finish_rate is None:
-            return waited + prefill if waited else None  # the rate is not observed long enough to tell
+            return (waited + prefill if waited else None), True  # the rate is not observed long enough to tell
         if snap.finish_rate <= 0:
-            return math.inf
-        return max(seats_needed / snap.finish_rate, waited) + prefill
+            return math.inf, True
+        return max(seats_needed / snap.finish_rate, waited) + prefill, True
 
-    def check(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> None:
-        """Raise EngineUnavailable (engine_overloaded, with Retry-After) if the request cannot meet its budget."""
+    def check(self, tenant: str, weight: float, priority: Priority, prompt_len: int, *, early: bool = False) -> None:
+        """Raise EngineUnavailable (engine_overloaded, with Retry-After) if the request cannot meet its budget.
+
+        `early` (a front-end, on the core's last Load): refuse only work that must wait for seats -- the
+        overload case, where refusals come in floods and each should cost nothing. Whether a request with a
+        seat free gets its first token in time rests on step times that a Load one step old may overstate
+        (the first steps' one-time costs): the core decides those on its newest state."""
         budget = (self.config.interactive_ttft_slo_s if priority == Priority.INTERACTIVE
                   else self.config.batch_ttft_slo_s)
         if budget is None:
             return
-        estimate = self.estimate_ttft(tenant, weight, priority, prompt_len)
-        if estimate is None or estimate <= budget * self.config.admission_headroom:
+        estimate, waits_for_seats = self._estimate(tenant, weight, priority, prompt_len)
+        # The headroom covers the seat-wait estimate (a finish rate, noisy); a request with a seat free is
+        # refused only if its prefill steps alone exceed the budget -- no engine would serve it sooner.
+        limit = budget * self.config.admission_headroom if waits_for_seats else budget
+        if estimate is None or estimate <= limit or (early and not waits_for_seats):
             return
         self.mark_overloaded(time.monotonic())
         wait = "no seat has freed up lately" if math.isinf(estimate) else f"the estimated wait is {estimate:.1f}s"

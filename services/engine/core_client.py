@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from services.common.wire import EngineFailed, InvalidRequest
+from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
+from services.engine.admission import LoadTracker
 from services.engine.async_engine import EngineDead
 from services.engine.core_protocol import (
     Abort,
@@ -28,7 +29,9 @@ from services.engine.core_protocol import (
     Delta,
     EngineInfo,
     Hello,
+    Load,
     Ready,
+    Shed,
     StepOutputs,
     decode_to_frontend,
     encode,
@@ -86,6 +89,7 @@ class CoreClient:
         self._reader: asyncio.Task | None = None
         self._pidfd: int | None = None
         self.error: BaseException | None = None
+        self.admission: LoadTracker | None = None  # the core's last Load: refusals decided here, at once
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def open(self, timeout: float = 600.0) -> None:
@@ -104,6 +108,8 @@ class CoreClient:
                 msg = decode_to_frontend(await sock.recv())
         self.info = msg.info
         self.tokenizer = TokenizerInfo(msg.info.model_dir)
+        if msg.info.admission is not None:
+            self.admission = LoadTracker.for_frontend(msg.info.admission)
         self._watch_core(msg.info.core_pid)
         self._reader = asyncio.create_task(self._read(), name="core-reader")
 
@@ -162,6 +168,7 @@ class CoreClient:
         self.validate(prompt_token_ids, params)
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id", status=409)
+        self._admit(tenant, weight, priority, len(prompt_token_ids))
         req = self._requests[request_id] = _Request(TextStream(self.tokenizer, params))
         spec = (adapter.content_id, adapter.name, adapter.path) if adapter is not None else None
         self._send(Add(request_id, list(prompt_token_ids), params.to_wire(), int(priority), cache_salt, spec,
@@ -179,6 +186,18 @@ class CoreClient:
             self._requests.pop(request_id, None)
             if not req.done and self.error is None:
                 self._send(Abort([request_id]))
+
+    def _admit(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> None:
+        """Refuse (EngineUnavailable, engine_overloaded) what the core's last Load says must wait for seats past
+        its TTFT budget: at once, without the round trip through the step loop; the core is told, to count it.
+        Anything else goes to the core, which checks again on its newest state."""
+        if self.admission is None:
+            return
+        try:
+            self.admission.check(tenant, weight, priority, prompt_len, early=True)
+        except EngineUnavailable:
+            self._send(Shed(int(priority)))
+            raise
 
     def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))
@@ -220,6 +239,9 @@ class CoreClient:
                         fut.set_exception(msg.error.to_exception())
                     else:
                         fut.set_result(msg.result)
+            elif isinstance(msg, Load):
+                if self.admission is not None:
+                    self.admission.snapshot = msg.snapshot()
             elif isinstance(msg, CoreDead):
                 self._core_died(msg.reason)
 

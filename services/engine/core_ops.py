@@ -97,4 +97,5 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         block_size=engine.kv.block_size, num_blocks=engine.kv.pool.num_blocks, lora_enabled=a is not None,
         adapter_cache_dir=str(a.cache_dir) if a is not None else None, adapter_stores=tuple(c.adapter_stores),
         clamp_tokens=c.scheduler.batch_max_tokens_under_overload, core_pid=os.getpid(),
+        admission=engine.load.admission_fields(),
     )

@@ -29,8 +29,11 @@ from services.engine.core_protocol import (
     CoreDead,
     Delta,
     ErrorInfo,
+    LOAD_INTERVAL_S,
     Hello,
+    Load,
     Ready,
+    Shed,
     StepOutputs,
     decode_to_core,
     encode,
@@ -64,6 +67,7 @@ class EngineCore:
         self.frontends: set[bytes] = set()
         self.info = engine_info(engine)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="core-op")
+        self._load_sent_at = 0.0
         self._local = threading.local()
         self.stop = False
 
@@ -83,6 +87,7 @@ class EngineCore:
                     outputs = engine.recover(exc)  # raises if the state is inconsistent: then the core stops
                 if outputs:
                     self._send_outputs(outputs)
+                self._publish_load(force=not engine.has_unfinished())
         except BaseException as exc:
             log.exception("engine core stopped: its state could not be trusted")
             for fe in self.frontends:
@@ -127,6 +132,8 @@ class EngineCore:
             self._call(fe, msg)
         elif isinstance(msg, Hello):
             self._hello(fe)
+        elif isinstance(msg, Shed):
+            self._count_shed(Priority(msg.priority))
 
     def _hello(self, fe: bytes) -> None:
         stale = [rid for rid, owner in self.owner.items() if owner == fe]
@@ -137,6 +144,25 @@ class EngineCore:
             self.engine.abort_request(rid)
         self.frontends.add(fe)
         self.sock.send_multipart([fe, encode(Ready(self.info))])
+        self.sock.send_multipart([fe, encode(Load.of(self.engine.load.snapshot))])
+
+    def _publish_load(self, force: bool = False) -> None:
+        """Every front-end gets the admission snapshot after a step, at most every LOAD_INTERVAL_S: what it
+        refuses on at once (one small message; steps under load take longer than the interval anyway).
+        `force` after the last step before idling: no step follows to correct a skipped one, and a front-end
+        must not keep refusing on a busy view of an idle core."""
+        now = time.monotonic()
+        if not force and now - self._load_sent_at < LOAD_INTERVAL_S:
+            return
+        self._load_sent_at = now
+        data = encode(Load.of(self.engine.load.snapshot))
+        for fe in self.frontends:
+            self.sock.send_multipart([fe, data])
+
+    def _count_shed(self, priority: Priority) -> None:
+        engine = self.engine
+        engine.metrics.shed.labels(model=engine.config.model_name, priority=priority.name.lower()).inc()
+        engine.load.mark_overloaded(time.monotonic())
 
     def _add(self, fe: bytes, msg: Add) -> None:
         engine = self.engine
@@ -149,7 +175,7 @@ class EngineCore:
             priority = Priority(msg.priority)
             adapter = AdapterRef(*msg.adapter) if msg.adapter else None
             engine.validate(msg.prompt_token_ids, params)
-            try:
+            try:  # the front-end checked on the last Load; this is the check on the newest state
                 engine.load.check(msg.tenant, msg.weight, priority, len(msg.prompt_token_ids))
             except Exception:
                 engine.metrics.shed.labels(model=engine.config.model_name, priority=priority.name.lower()).inc()

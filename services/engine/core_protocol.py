@@ -30,6 +30,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     adapter_stores: tuple[str, ...]
     clamp_tokens: int | None  # batch_max_tokens_under_overload
     core_pid: int
+    # The SchedulerConfig fields SLO admission reads (admission.ADMISSION_FIELDS): a front-end refuses
+    # over-budget work itself on the core's last `Load`, as the core would.
+    admission: dict[str, Any] | None = None
 
 
 # -- front-end -> core ------------------------------------------------------------------------------------
@@ -65,7 +68,14 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     args: list[Any] = []
 
 
-ToCore = Union[Hello, Add, Abort, Call]
+class Shed(msgspec.Struct, tag="shed", array_like=True):
+    """A front-end refused a request on the core's last `Load` (engine_overloaded) without sending it: the
+    core counts it as its own refusals (the shed metric, the overload window that clamps batch work)."""
+
+    priority: int
+
+
+ToCore = Union[Hello, Add, Abort, Call, Shed]
 
 
 # -- core -> front-end ------------------------------------------------------------------------------------
@@ -123,13 +133,44 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     info: EngineInfo
 
 
+class Load(msgspec.Struct, tag="load", array_like=True):
+    """The core's admission snapshot (admission.LoadSnapshot), sent to every front-end after steps (at most
+    every LOAD_INTERVAL_S) and on Hello, so that a front-end refuses work that cannot meet its TTFT budget at
+    once -- without a round trip through the step loop, which under load is where refusals waited."""
+
+    at: float  # time.monotonic() of the core (one clock for every process on the host)
+    step_s: float
+    finish_rate: float | None
+    free_seats: int
+    running: dict[str, int]
+    weights: dict[str, float]
+    waiting: list[tuple[int, str, int, float]]  # (class, tenant key, waiting, oldest arrival)
+    overloaded_until: float
+
+    @classmethod
+    def of(cls, snap) -> "Load":
+        return cls(snap.at, snap.step_s, snap.finish_rate, snap.free_seats, snap.running, snap.weights,
+                   [(c, k, n, snap.oldest[(c, k)]) for (c, k), n in snap.waiting.items()], snap.overloaded_until)
+
+    def snapshot(self):
+        from services.engine.admission import LoadSnapshot
+
+        return LoadSnapshot(at=self.at, step_s=self.step_s, finish_rate=self.finish_rate, free_seats=self.free_seats,
+                            running=self.running, weights=self.weights,
+                            waiting={(c, k): n for c, k, n, _ in self.waiting},
+                            oldest={(c, k): t for c, k, _, t in self.waiting}, overloaded_until=self.overloaded_until)
+
+
+LOAD_INTERVAL_S = 0.01
+
+
 class CoreDead(msgspec.Struct, tag="dead", array_like=True):
     """The core's step loop stopped (its state could not be trusted); the process exits next."""
 
     reason: str
 
 
-ToFrontend = Union[StepOutputs, CallReply, Ready, CoreDead]
+ToFrontend = Union[StepOutputs, CallReply, Ready, CoreDead, Load]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

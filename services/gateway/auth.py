@@ -93,6 +93,7 @@ class KeyAuth:
         self.ttl_ms = int(ttl_s * 1000)
         self._local: dict[str, tuple[float, KeyPrincipal]] = {}
         self._touched: dict[uuid.UUID, float] = {}
+        self._fetching: dict[str, asyncio.Task] = {}  # cache key -> the fetch in flight (see _shared_fetch)
 
     async def authenticate(self, authorization: str | None) -> KeyPrincipal:
         if not authorization or not authorization.lower().startswith("bearer "):
@@ -113,29 +114,44 @@ class KeyAuth:
                 raise PermissionDeniedError("This tenant is suspended; contact your administrator.", code="tenant_suspended")
             await self._touch(principal.key_id)
             return principal
-        cached = None
-        try:
-            cached = await self.redis.get(cache_key)
-        except (RedisError, OSError):
-            pass  # authentication does not need Redis; the database answers
-        if cached == _INVALID:
+        principal = await self._shared_fetch(cache_key, parsed)
+        if principal is None:
             raise AuthenticationError(f"Incorrect API key provided: mpx_{parsed.prefix}_***.", code="invalid_api_key")
-        if cached:
-            principal = KeyPrincipal.from_json(cached)
-        else:
-            principal = await asyncio.to_thread(self._lookup, parsed)
-            try:
-                await self.redis.set(cache_key, principal.to_json() if principal else _INVALID, px=self.ttl_ms)
-            except (RedisError, OSError):
-                pass
-            if principal is None:
-                raise AuthenticationError(f"Incorrect API key provided: mpx_{parsed.prefix}_***.", code="invalid_api_key")
         if len(self._local) > 50_000:
             self._local.clear()
         self._local[cache_key] = (now + min(self.LOCAL_TTL_S, self.ttl_ms / 1000), principal)
         if principal.suspended:
             raise PermissionDeniedError("This tenant is suspended; contact your administrator.", code="tenant_suspended")
         await self._touch(principal.key_id)
+        return principal
+
+    async def _shared_fetch(self, cache_key: str, parsed) -> KeyPrincipal | None:
+        """The key's principal (None: no such key) from Redis or the database, one fetch per key at a time:
+        concurrent requests with the same key wait on the one in flight. A tenant's burst of 300 requests on a
+        cold cache would otherwise run 300 identical Redis reads and database queries, and every other tenant's
+        first request would queue behind them in the thread pool. The fetch is its own task, so a caller that
+        hangs up never cancels it for the others."""
+        task = self._fetching.get(cache_key)
+        if task is None:
+            task = self._fetching[cache_key] = asyncio.create_task(self._fetch(cache_key, parsed))
+            task.add_done_callback(lambda _: self._fetching.pop(cache_key, None))
+        return await asyncio.shield(task)
+
+    async def _fetch(self, cache_key: str, parsed) -> KeyPrincipal | None:
+        cached = None
+        try:
+            cached = await self.redis.get(cache_key)
+        except (RedisError, OSError):
+            pass  # authentication does not need Redis; the database answers
+        if cached == _INVALID:
+            return None
+        if cached:
+            return KeyPrincipal.from_json(cached)
+        principal = await asyncio.to_thread(self._lookup, parsed)
+        try:
+            await self.redis.set(cache_key, principal.to_json() if principal else _INVALID, px=self.ttl_ms)
+        except (RedisError, OSError):
+            pass
         return principal
 
     def _lookup(self, parsed) -> KeyPrincipal | None:

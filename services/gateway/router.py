@@ -78,6 +78,12 @@ class Router:
     breaker_max_cooldown_s: float = 30.0
     breakers: dict[str, Breaker] = field(default_factory=dict)
     clock: object = time.monotonic
+    # (engine id, tenant, priority class) -> (until, Retry-After): an engine that just refused a tenant's class
+    # as overloaded is not asked again for that class for a moment; when every engine is held, the gateway
+    # refuses at once. Per tenant: the engine's estimate depends on the tenant's share (another tenant may
+    # be under its share and admitted).
+    refusal_hold_s: float = 0.25
+    refusals: dict[tuple[str, str, str], tuple[float, int]] = field(default_factory=dict)
 
     def load(self, e: EngineInfo) -> int:
         return e.running + e.waiting + self.inflight.get(e.id, 0)
@@ -140,6 +146,25 @@ class Router:
             b.probing = False
             return True
         return False
+
+    # -- overload refusals ------------------------------------------------------------------------
+    def refused(self, engine_id: str, tenant: str, priority: str, retry_after: int) -> None:
+        """The engine refused this tenant's class as overloaded: hold it for the shorter of its Retry-After
+        and `refusal_hold_s` (its estimate changes as its steps run; a hold of seconds would over-refuse)."""
+        now = self.clock()
+        if len(self.refusals) > 4096:  # bounded: drop expired holds
+            self.refusals = {k: v for k, v in self.refusals.items() if v[0] > now}
+        self.refusals[(engine_id, tenant, priority)] = (now + min(self.refusal_hold_s, retry_after), retry_after)
+
+    def holding(self, engine_id: str, tenant: str, priority: str) -> int | None:
+        """The Retry-After of a refusal still held for this engine, tenant and class; else None."""
+        hold = self.refusals.get((engine_id, tenant, priority))
+        if hold is None:
+            return None
+        if hold[0] <= self.clock():
+            del self.refusals[(engine_id, tenant, priority)]
+            return None
+        return hold[1]
 
     def breaker_states(self) -> dict[str, str]:
         now = self.clock()

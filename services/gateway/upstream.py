@@ -102,12 +102,19 @@ async def open_choice(
     if coalesce:
         headers[COALESCE_HEADER] = "1"
     for engine in engines:
+        held = router.holding(engine.id, request.tenant, str(request.priority))
+        if held is not None:  # it refused this tenant's class as overloaded a moment ago: not asked again yet
+            tries.last_error = f"engine {engine.id} refused as overloaded just now"
+            tries.overloaded.append(held)
+            tries.held += 1
+            continue
         if not router.admit(engine.id):
             tries.last_error = f"engine {engine.id} is failing (circuit open)"
             continue
         result.attempts += 1
         router.opened(engine.id)
-        opened = await _try_engine(client, router, engine, body, headers, result, tries)
+        opened = await _try_engine(client, router, engine, body, headers, result, tries, request.tenant,
+                                   str(request.priority))
         if opened is None:
             continue
         # Committed to this engine: from here on a failure ends the stream (it is never retried).
@@ -124,16 +131,17 @@ class _Attempts:
 
     last_error: str = "no engine serves this model"
     overloaded: list[int] = field(default_factory=list)  # Retry-After of each engine that refused as overloaded
+    held: int = 0  # engines not asked: they refused this tenant's class as overloaded a moment ago
 
     def exhausted(self, attempts: int) -> NoEngineAvailable:
-        if self.overloaded and len(self.overloaded) == attempts:
+        if self.overloaded and len(self.overloaded) == attempts + self.held:
             return NoEngineAvailable(f"every engine serving this model is overloaded ({self.last_error})",
                                      code="engine_overloaded", retry_after=min(self.overloaded))
         return NoEngineAvailable(f"no engine could serve the request ({self.last_error})")
 
 
 async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, headers: dict[str, str],
-                      result: StreamResult, tries: _Attempts):
+                      result: StreamResult, tries: _Attempts, tenant: str = "", priority: str = ""):
     """(response, first line) once `engine` took the request; None when the next engine should be tried."""
     try:
         resp, first = await _open(client, engine, body, headers)
@@ -141,6 +149,7 @@ async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, h
         tries.last_error = str(exc)
         if exc.code == "engine_overloaded":
             tries.overloaded.append(exc.retry_after or 1)
+            router.refused(engine.id, tenant, priority, exc.retry_after or 1)
         log.warning("engine %s could not take %s (%s); trying the next", engine.id, headers["x-request-id"], exc)
         if exc.counts_against_engine:
             router.failed(engine.id)

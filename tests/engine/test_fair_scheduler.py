@@ -230,8 +230,11 @@ def test_admission_refuses_over_budget_with_retry_after_and_not_a_tenant_under_i
     assert exc.value.code == "engine_overloaded" and exc.value.retry_after >= 1
     engine.load.check("B", 1.0, Priority.INTERACTIVE, 4)  # B is under its share: it will be seated by preemption
     engine.load.check("A", 1.0, Priority.BATCH, 4)  # the batch class's budget (600 s) is not over
-    engine.load.snapshot = dataclasses.replace(snap, finish_rate=None)
-    engine.load.check("A", 1.0, Priority.INTERACTIVE, 4)  # not observed long enough to tell: admitted
+    # Not observed long enough to tell, and nobody has waited yet (the oldest arrived just now -- the test's
+    # six steps may take seconds on a loaded machine, and that observed wait alone would refuse): admitted.
+    now = __import__("time").monotonic()
+    engine.load.snapshot = dataclasses.replace(snap, finish_rate=None, step_s=0.05, oldest={k: now for k in snap.oldest})
+    engine.load.check("A", 1.0, Priority.INTERACTIVE, 4)
     assert engine.load.overloaded()
 
 
@@ -254,3 +257,41 @@ def _collect(engine):
             if o.request_id == "b" and o.finished:
                 assert o.finish_reason == "length" and o.clamped_from == 40
     return out
+
+
+def test_a_frontend_refuses_over_budget_work_itself_and_the_core_counts_it(tiny_model):
+    """Split path: the core sends its admission snapshot (Load) to the front-end, which refuses over-budget
+    work at once -- no round trip through the step loop -- with Retry-After, and tells the core (Shed), which
+    counts the refusal and marks itself overloaded. Work within budget still runs."""
+    import asyncio
+    import time
+
+    from tests.engine.conftest import collect, split_engine
+
+    config = EngineConfig(model_dir=tiny_model, cache=CacheConfig(block_size=16, memory_bytes=64 * 2**20),
+                          scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256, interactive_ttft_slo_s=5.0),
+                          lora=LoraConfig())
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def main():
+        async with split_engine(config) as (client, _):
+            assert client.admission is not None and client.admission.config.interactive_ttft_slo_s == 5.0
+            await collect(client, "warm", [20, 21, 22], params, tenant="A")
+            assert client.admission.snapshot.at > 0  # Loads arrive after steps
+            # As if the core were saturated by tenant A: no free seat, 10 waiting, a seat frees every 20 s.
+            now = time.monotonic()
+            client.admission.snapshot = dataclasses.replace(
+                client.admission.snapshot, free_seats=0, finish_rate=0.05, step_s=0.05, running={"A": 2},
+                weights={"A": 1.0}, waiting={(int(Priority.INTERACTIVE), "A"): 10},
+                oldest={(int(Priority.INTERACTIVE), "A"): now})
+            with pytest.raises(EngineUnavailable) as exc:
+                await collect(client, "refused", [20, 21, 22], params, tenant="A")
+            assert exc.value.code == "engine_overloaded" and exc.value.retry_after >= 1
+            metrics = (await client.op("metrics")).decode()
+            shed = [line for line in metrics.splitlines() if line.startswith("mplex_engine_shed_total")]
+            assert shed and float(shed[0].split()[-1]) == 1.0
+            # Tenant B is under its share: the front-end lets it through and the core serves it.
+            out = await collect(client, "b", [20, 21, 22], params, tenant="B")
+            assert len(out.new_token_ids) == 4 and await client.op("num_in_flight") == 0
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import make_api_key, make_tenant
+from tests.gateway.test_chaos import _rows
 from tests.gateway.test_faults import _isolated
 from tests.stack import Stack
 
@@ -60,7 +61,8 @@ def test_a_flooding_tenant_is_refused_early_while_another_tenant_is_served(small
             flood = [asyncio.create_task(hold(i)) for i in range(24)]  # 4 seats, 20 queued: ~10 s of work
             await asyncio.sleep(2.5)  # long enough for the engines to measure that no seat frees up
             t0 = time.perf_counter()
-            refused = await c.post("/v1/completions", headers={"authorization": f"Bearer {flood_key}"},
+            refused = await c.post("/v1/completions", headers={"authorization": f"Bearer {flood_key}",
+                                                               "x-client-request-id": "fair-refused-1"},
                                    json={"model": demo_kit.model_name, "prompt": "one more", "max_tokens": 4})
             refused_s = time.perf_counter() - t0
             served = await c.post("/v1/completions", headers={"authorization": f"Bearer {calm_key}"},
@@ -77,6 +79,11 @@ def test_a_flooding_tenant_is_refused_early_while_another_tenant_is_served(small
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
     assert _metric(s, "mplex_engine_shed_total", priority="interactive") >= 2  # both engines were asked
     assert _metric(s, "mplex_engine_fair_preemptions_total") >= 1  # the calm tenant's request took a seat
+    # Answered before its ledger row was written (gateway: finalize after the response): the row still lands,
+    # unbilled, with the refusal's status and code.
+    rows = _rows(db, ["fair-refused-1"])["fair-refused-1"]
+    assert [(r.http_status, r.error_code, r.prompt_tokens + r.completion_tokens) for r in rows] == [
+        (503, "engine_overloaded", 0)]
     print(f"\n[fairness] the flooding tenant's extra request refused in {refused_s * 1000:.0f} ms")
 
 

@@ -51,3 +51,39 @@ def test_inflight_counts_toward_load_until_closed():
     for _ in range(10):
         r.closed(home)
     assert r.order(engines, key)[0].id == home and r.inflight == {}
+
+
+def test_an_overload_refusal_is_held_per_engine_tenant_and_class_for_a_moment():
+    now = [100.0]
+    r = Router(clock=lambda: now[0], refusal_hold_s=0.25)
+    r.refused("e0", "tenant-a", "interactive", retry_after=3)
+    assert r.holding("e0", "tenant-a", "interactive") == 3
+    # Another engine, tenant or class was not refused: asked as usual.
+    assert r.holding("e1", "tenant-a", "interactive") is None
+    assert r.holding("e0", "tenant-b", "interactive") is None
+    assert r.holding("e0", "tenant-a", "batch") is None
+    now[0] += 0.26  # held for the shorter of the hold and Retry-After, then asked again
+    assert r.holding("e0", "tenant-a", "interactive") is None and not r.refusals
+
+
+def test_when_every_engine_holds_a_refusal_the_gateway_refuses_without_asking():
+    import asyncio
+
+    import pytest
+
+    from services.common.engine_wire import GenerateRequest
+    from services.gateway.upstream import NoEngineAvailable, StreamResult, open_choice
+
+    r = Router()
+    engines = [eng(0), eng(1)]
+    r.refused("e0", "t", "interactive", 2)
+    r.refused("e1", "t", "interactive", 1)
+    req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2], priority="interactive", tenant="t")
+
+    async def first():
+        # No HTTP client at all: asking an engine would fail with AttributeError, not refuse.
+        return await anext(open_choice(None, r, engines, req, 0, result := StreamResult(), lambda: 0.0)), result
+
+    with pytest.raises(NoEngineAvailable) as exc:
+        asyncio.run(first())
+    assert exc.value.code == "engine_overloaded" and exc.value.retry_after == 1

@@ -191,8 +191,15 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
             headers[CLAMPED_HEADER] = clamped
     except BaseException as exc:
         status, http_status, code = failure(exc)
+        err = as_api_error(exc, gw)
+        if isinstance(exc, NoEngineAvailable) and isinstance(err, ApiError):
+            # Refused before any engine took it: nothing ran, nothing is billed. The client gets its 503 and
+            # Retry-After now; the reservation is released and the (zero-token) ledger row written right
+            # after the response is sent -- not first, where a refusal waited on a Postgres commit.
+            err.background = BackgroundTask(call.finalize, status, http_status, code)
+            raise err from None
         await call.finalize(status, http_status, code)
-        raise as_api_error(exc, gw) from None
+        raise err from None
     response_id = _response_id(kind, request_id)
     if req.stream:
         return ClosingStreamingResponse(_sse_body(call, response_id, req.model, _prepend(first, items)),

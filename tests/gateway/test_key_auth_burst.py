@@ -1,0 +1,48 @@
+"""API key authentication under a burst: concurrent requests with one key share one fetch (Redis, then the
+database), so a tenant's burst on a cold cache runs one query -- not one per request, ahead of every other
+tenant's first request -- and a caller that hangs up does not fail the others."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.errors import AuthenticationError
+from tests.factories import make_api_key, make_tenant
+
+
+def _auth(database_url: str, redis_url: str):
+    from services.common.db import make_db_engine, make_sessionmaker
+    from services.gateway.auth import KeyAuth
+    from services.gateway.state import make_redis
+
+    return KeyAuth(make_redis(redis_url), make_sessionmaker(make_db_engine(database_url, pool_size=4)), "s" * 32, 60.0)
+
+
+def test_a_burst_with_one_key_runs_one_lookup_and_a_hung_up_caller_fails_nobody(db, database_url, service_urls, redis_client):
+    key = make_api_key(db, tenant=make_tenant(db))
+
+    async def main():
+        auth = _auth(database_url, service_urls.redis_url)
+        lookups = []
+        original = auth._lookup
+
+        def counted(parsed):
+            lookups.append(parsed.prefix)
+            return original(parsed)
+
+        auth._lookup = counted
+        header = f"Bearer {key.secret}"
+        leader = asyncio.create_task(auth.authenticate(header))
+        await asyncio.sleep(0)  # the leader's fetch is in flight
+        others = [asyncio.create_task(auth.authenticate(header)) for _ in range(50)]
+        leader.cancel()  # the first caller hangs up: the shared fetch goes on for the others
+        principals = await asyncio.gather(*others)
+        assert len(lookups) == 1 and len({p.key_id for p in principals}) == 1
+        assert not auth._fetching  # nothing left in flight
+        with pytest.raises(AuthenticationError):  # a wrong secret is its own fetch, and refused
+            await auth.authenticate(f"Bearer {key.secret[:-4]}xxxx")
+        await auth.redis.aclose()
+
+    redis_client.flushdb()
+    asyncio.run(main())
