@@ -108,6 +108,8 @@ def check_tool(tool: Any, param: str) -> ToolSpec:
     name = tool.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
         raise InvalidRequest(f"{param}.name must be 1-64 letters, digits, underscores or dashes", f"{param}.name")
+    if not isinstance(tool.get("description", ""), str):  # chat templates write it into the prompt
+        raise InvalidRequest(f"{param}.description must be a string", f"{param}.description")
     params = tool.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}}

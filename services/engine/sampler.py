@@ -81,13 +81,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens of the given rows to -inf (a new tensor; other rows untouched). One batched op over
-    the constrained rows: the unconstrained ones are not read."""
+    """Disallowed tokens of the given rows (ascending, distinct) to -inf (a new tensor; other rows untouched).
+    One batched op over the constrained rows: the unconstrained ones are not read."""
     vocab = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    # One `where` instead of masked_fill on a negated mask (a third of the time on the CPU), and when every
+    # row is constrained (rows ascending and distinct: they are then 0..B-1) no gather and scatter around it.
+    if rows.numel() == logits.shape[0]:
+        return torch.where(allowed, logits, neg_inf)
+    return logits.index_copy(0, rows, torch.where(allowed, logits.index_select(0, rows), neg_inf))
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

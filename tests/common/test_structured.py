@@ -56,6 +56,10 @@ def test_chat_request_builds_guides_and_refuses_what_it_cannot_honour():
     with pytest.raises(InvalidRequest) as e:
         req(tools=TOOLS + [TOOLS[0]]).guide()
     assert e.value.param == "tools[2].function.name"
+    # Chat templates write a description into the prompt: a non-string one is the request's 400, not a 500.
+    with pytest.raises(InvalidRequest) as e:
+        req(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]).guide()
+    assert e.value.param == "tools[0].function.description"
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(400)}}
     with pytest.raises(InvalidRequest) as e:
         req(response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": big}}).guide()

@@ -92,3 +92,25 @@ def test_banned_tokens_are_never_sampled():
     batch = make_batch(2, temperature=0, banned_rows=torch.tensor([0]), banned_cols=torch.tensor([3]))
     out = sample(logits, batch)
     assert out.token_ids[0] != 3 and out.token_ids[1] == 3
+
+
+def test_grammar_mask_sets_exactly_the_disallowed_tokens_of_the_guided_rows_to_minus_inf():
+    """Every row constrained (the one-op path) and some rows constrained (gather, mask, scatter): the result
+    is the logits with each guided row's disallowed tokens at -inf, other rows and the input untouched."""
+    from services.engine.sampler import apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 70, 6  # 70: the last bitmask word is partly past the vocabulary
+    logits = torch.randn(rows, vocab, generator=g)
+    before = logits.clone()
+    for guided in ([0, 1, 2, 3, 4, 5], [1, 4], [5]):
+        bits = torch.randint(-2**31, 2**31 - 1, (len(guided), 3), dtype=torch.int32, generator=g)
+        out = apply_bitmask(logits, torch.tensor(guided), bits)
+        want = before.clone()
+        for i, r in enumerate(guided):
+            for t in range(vocab):
+                if not (int(bits[i, t // 32]) >> (t % 32)) & 1:
+                    want[r, t] = float("-inf")
+        assert torch.equal(out, want) and torch.equal(logits, before)
+        masked = out.isinf().any(-1).nonzero().flatten().tolist()
+        assert set(masked) <= set(guided)
