@@ -287,6 +287,37 @@ class LoraConfig:
 
 
 FAILPOINTS = ("step_error", "crash")
+TP_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism (services/engine/parallel/): one base model sharded Megatron-style over
+    `tensor_parallel_size` processes, rank 0 being the engine core. backend "auto" = NCCL on CUDA, gloo on
+    the CPU. A collective that waits longer than `collective_timeout_s` (a rank died or hangs) fails, and
+    the engine goes dead instead of hanging."""
+
+    tensor_parallel_size: int = 1
+    backend: str = "auto"
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.backend not in TP_BACKENDS:
+            raise ConfigError(f"tensor parallel backend must be one of {', '.join(TP_BACKENDS)}, got {self.backend!r}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s must be > 0")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a size the model's shapes do not split into: every rank holds whole attention heads and
+        whole KV heads (GQA groups stay on one rank) and an equal part of the MLP. The vocabulary need not
+        divide: its last shard is padded (as vLLM pads), and the padding never reaches the sampler."""
+        n = self.tensor_parallel_size
+        for name, value in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads),
+                            ("intermediate_size", model.intermediate_size)):
+            if value % n:
+                raise ConfigError(f"tensor_parallel_size={n} does not divide the model's {name}={value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +346,7 @@ class EngineConfig:
     # whose sequences hold the token id of `step_error` raises in the forward, of `crash` kills the
     # process as a native kernel fault would. See FAILPOINTS.
     failpoints: tuple[tuple[str, int], ...] = ()
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         for name, _ in self.failpoints:
@@ -328,6 +360,8 @@ class EngineConfig:
             raise ConfigError("weight_dtype must be 'auto' or 'fp8'")
         if not (Path(self.model_dir) / "config.json").exists():
             raise ConfigError(f"model_dir {self.model_dir} has no config.json")
+        if self.parallel.tensor_parallel_size > 1:
+            self.parallel.check_model(ModelConfig.from_dir(Path(self.model_dir)))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -153,12 +153,16 @@ class ModelRunner:
             best = min(best, stats.swap_seconds)
         return 2 * n * self.block_bytes, best
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, token_ids: list[int] | None = None) -> StepInputs:
+        """`token_ids`: the step's input ids when the plan's rows carry no sequences (a tensor-parallel
+        worker rebuilds the plan from rank 0's broadcast: parallel/step_io.py)."""
         dev, bs = self.device, self.block_size
         scheduled = plan.scheduled
-        ids: list[int] = []
-        for s in scheduled:
-            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+        ids = token_ids
+        if ids is None:
+            ids = []
+            for s in scheduled:
+                ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
         n_seqs = len(scheduled)
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
         lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
@@ -248,6 +252,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, adapters=None) -> tuple[StepInputs, SamplerOutput | None]:
         inputs = self.prepare(plan)
+        return inputs, self.run(inputs, adapters)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, adapters=None) -> SamplerOutput | None:
+        """The forward over prepared inputs, then sampling of the rows that sample."""
         lora: LoraHook | None = None
         if inputs.has_lora:
             from services.engine.lora.step import StepLora
@@ -257,13 +266,13 @@ class ModelRunner:
         masks = self._mask_filler().start([inputs.sampled[r].seq.matcher for r in guided]) if guided else None
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         if not inputs.sampled:
-            return inputs, None
+            return None
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
         batch = self.sampling_batch(inputs.sampled)
         if masks is not None:  # filled while the forward ran (grammar.MaskFiller)
             batch.guided_rows = torch.tensor(guided, dtype=torch.int64, device=self.device)
             batch.bitmask = masks.result().to(self.device, non_blocking=True)
-        return inputs, sample(logits, batch)
+        return sample(logits, batch)
 
     def _mask_filler(self) -> MaskFiller:
         if self._masks is None:
