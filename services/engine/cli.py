@@ -46,10 +46,14 @@ def serve(
                                   "(0: the HTTP server shares the core's process, as before the split)"),
     core_threads: int = typer.Option(0, min=0, help="torch threads of the engine core (0: torch's default, "
                                      "which follows OMP_NUM_THREADS)"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1,
+                                             help="Shard the model over N processes / GPUs (rank 0 is the engine core)"),
+    tp_backend: str = typer.Option("auto", help="Tensor-parallel collectives: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
+    tp_timeout_s: float = typer.Option(60.0, help="A tensor-parallel collective waiting longer fails the engine (dead, not hung)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
-    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, ParallelConfig, SchedulerConfig
 
     settings = get_settings()
     config = EngineConfig(
@@ -72,6 +76,8 @@ def serve(
         adapter_base_names=_base_names(model, served_model_name),
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, backend=tp_backend,
+                                collective_timeout_s=tp_timeout_s),
     )
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:
