@@ -244,13 +244,30 @@ def test_rank_shards_put_together_are_the_unsharded_weights_and_half_the_bytes(t
     assert total < 1.05 * full.weight_bytes()  # only the norms and the vocabulary padding are extra
 
 
-def test_fp8_weights_tp2_equal_tp1(tiny_model):
+@pytest.fixture(scope="module")
+def odd_vocab_model(tmp_path_factory) -> Path:
+    """A tiny model whose vocabulary does not split in two: rank 1's embedding / LM head shard is padded."""
+    from services.modelkit import build_tiny_random
+
+    path = build_tiny_random(tmp_path_factory.mktemp("odd") / "llama", arch="llama", seed=1, vocab_size=509,
+                             max_position_embeddings=256)
+    assert ModelConfig.from_dir(path).vocab_size % 2 == 1
+    return path
+
+
+def test_odd_vocabulary_and_fp8_tp2_equal_tp1(odd_vocab_model):
+    """FP8 weights (each rank's scales those of the unsharded weight) and an FP8 KV cache (per-block scales of
+    each rank's own KV heads); a padded vocabulary shard whose padding never reaches the sampler."""
+    vocab = ModelConfig.from_dir(odd_vocab_model).vocab_size
     rng = random.Random(3)
     params = SamplingParams(max_tokens=16, temperature=0)
-    requests = [{"id": f"f{i}", "prompt": [rng.randrange(5, 400) for _ in range(rng.randrange(4, 90))], "params": params}
-                for i in range(10)]
-    want, got, _ = run_pair(make_config(tiny_model, weight_dtype="fp8", budget=32), requests)
-    assert sum(got[r["id"]] != want[r["id"]] for r in requests) == 0
+    requests = [{"id": f"f{i}", "prompt": [rng.randrange(5, vocab) for _ in range(rng.randrange(4, 90))],
+                 "params": params} for i in range(10)]
+    requests.append({"id": "last-id", "prompt": [vocab - 1, vocab - 2, 5], "params": params})  # rows only rank 1 holds
+    config = make_config(odd_vocab_model, weight_dtype="fp8", kv_dtype="fp8", budget=32)
+    want, got, _ = run_pair(config, requests)
+    assert all(t < vocab for r in requests for t in got[r["id"]])
+    assert [r["id"] for r in requests if got[r["id"]] != want[r["id"]]] == []
 
 
 def test_sizes_the_model_does_not_split_into_are_refused_naming_the_field(tiny_model):
