@@ -39,7 +39,9 @@ class TpComm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(f"mplex-tp-{name}", store)  # one store, several groups
         if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout  # with TORCH_NCCL_ASYNC_ERROR_HANDLING, a stuck collective aborts
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
         self.store = store  # kept alive: rank 0 serves it

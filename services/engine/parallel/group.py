@@ -43,6 +43,8 @@ def _groups(store, rank: int, config: EngineConfig) -> tuple[TpComm, StepChannel
     p = config.parallel
     n, device = p.tensor_parallel_size, rank_device(config.device, rank)
     backend = resolve_backend(p.backend, config.device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
     comm = TpComm(store, rank, n, backend, p.collective_timeout_s, device, "compute")
     control = TpComm(store, rank, n, "gloo", CONTROL_TIMEOUT_S, "cpu", "control")
     io = comm if backend == "gloo" else TpComm(store, rank, n, "gloo", p.collective_timeout_s, "cpu", "io")
