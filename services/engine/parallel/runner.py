@@ -14,7 +14,7 @@ import torch
 from services.engine.kv.copies import BlockCopy
 from services.engine.model_runner import CopyStats, ModelRunner, StepInputs
 from services.engine.parallel.comm import TpComm
-from services.engine.parallel.step_io import HEADER, Command, Received, pack_copies, pack_step, stop_header, unpack
+from services.engine.parallel.step_io import HEADER, INLINE, Command, Received, pack_copies, pack_step, stop_header, unpack
 from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import StepPlan
 
@@ -27,23 +27,29 @@ class TensorParallelFailure(BaseException):
 
 
 class StepChannel:
-    """Rank 0 -> every rank: one header broadcast (on `control`, which has no practical timeout, so an idle
-    engine may stay idle) and one body broadcast (on the compute group, under its timeout)."""
+    """Rank 0 -> every rank, one broadcast per command: the header with the body inline when it fits in INLINE
+    words (a decode step of ~100 sequences does), on `control`, which has no practical timeout (an idle engine
+    sends nothing); a longer body follows in a second broadcast on the io group, under its timeout."""
 
     def __init__(self, comm: TpComm, control: TpComm):
         self.comm = comm
         self.control = control
 
-    def send(self, header: torch.Tensor, body: torch.Tensor | None) -> None:
-        self.control.broadcast(header)
-        if body is not None and body.numel():
+    def send(self, header: torch.Tensor, body: torch.Tensor) -> None:
+        msg = torch.zeros(HEADER + INLINE, dtype=torch.int64)
+        msg[:HEADER] = header
+        inline = body.numel() <= INLINE
+        if inline:
+            msg[HEADER : HEADER + body.numel()] = body
+        self.control.broadcast(msg)
+        if not inline:
             self.comm.broadcast(body)
 
     def receive(self) -> Received:
-        header = self.control.broadcast(torch.empty(HEADER, dtype=torch.int64))
-        size = int(header[1])
-        body = self.comm.broadcast(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
-        return unpack(header, body)
+        msg = self.control.broadcast(torch.empty(HEADER + INLINE, dtype=torch.int64))
+        size = int(msg[1])
+        body = msg[HEADER : HEADER + size] if size <= INLINE else self.comm.broadcast(torch.empty(size, dtype=torch.int64))
+        return unpack(msg[:HEADER], body)
 
 
 class TpModelRunner(ModelRunner):
@@ -112,4 +118,4 @@ class WorkerRunner:
 
 
 def send_stop(channel: StepChannel) -> None:
-    channel.control.broadcast(stop_header())
+    channel.send(stop_header(), torch.empty(0, dtype=torch.int64))

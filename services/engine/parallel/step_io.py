@@ -1,10 +1,10 @@
-"""The command rank 0 sends every tensor-parallel rank: a fixed 8-int header, then one packed int64 body.
+"""The command rank 0 sends every tensor-parallel rank: a fixed 8-int header and one packed int64 body.
 
 A step's body holds what the other ranks need to compute the same step on their shards: per sequence its
 start, new tokens, whether it samples, its adapter slot and block table (ragged), the step's token ids, and
 the slot changes since the last command (parallel/lora.py). Block copies (swap, copy-on-write) travel the
-same way: every rank owns the KV of its own heads under the same block ids. Rank 0 sends the header on a
-group with no practical timeout (an idle engine sends nothing) and the body on the compute group.
+same way: every rank owns the KV of its own heads under the same block ids. The channel (runner.py) sends a
+body of up to INLINE words in the header's broadcast, a longer one in a second broadcast.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from services.engine.parallel.lora import SlotEvent, decode_events, encode_event
 from services.engine.scheduler import StepPlan
 
 HEADER = 8
+INLINE = 2048  # words of body sent with the header (16 KiB): a decode step of ~100 sequences
 _KINDS = list(CopyKind)
 
 
