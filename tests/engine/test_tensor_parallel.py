@@ -124,10 +124,12 @@ def test_oracle_prompts_tp2_equal_tp1_with_chunks_prefix_hits_and_swaps(demo_kit
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     requests = [{"id": f"r{i}", "prompt": p, "params": params} for i, p in enumerate(prompts)]
     longest = max(len(p) for p in prompts)
-    # 48 blocks of 16 hold ~3 of the longest requests: preemption (auto: swapping, cheaper here) is certain.
-    config = make_config(demo_kit.base_dir, budget=64, num_blocks=48)
+    # test_oracle's swap configuration: a pool a dozen blocks above the longest request (preemption, by swap to
+    # the host tier and back, mid-prefill and mid-decode) and a budget of 32 tokens (chunked prefill).
+    config = make_config(demo_kit.base_dir, block_size=4, num_blocks=(longest + MAX_NEW) // 4 + 12, budget=32,
+                         preemption_mode="swap")
     want, got, facts = run_pair(config, requests, record=True)
-    assert longest > 64, "prompts longer than the budget: chunked prefill"
+    assert longest > 32, "prompts longer than the budget: chunked prefill"
     assert facts["prefix_hits"] > 0 and facts["swaps"] > 0, facts
     differed = check_pair("tp2-oracle", requests, want, got, lambda r: hf_greedy(hf_model, r["prompt"], MAX_NEW))
     assert differed <= 1, f"{differed} of {len(requests)} requests differ between TP=1 and TP=2"
