@@ -300,14 +300,16 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     backend: str = "auto"
     collective_timeout_s: float = 60.0
+    # Joining the group and loading the shards (minutes for a large model, not the same on every rank).
+    startup_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
         if self.backend not in TP_BACKENDS:
             raise ConfigError(f"tensor parallel backend must be one of {', '.join(TP_BACKENDS)}, got {self.backend!r}")
-        if not self.collective_timeout_s > 0:
-            raise ConfigError("collective_timeout_s must be > 0")
+        if not self.collective_timeout_s > 0 or not self.startup_timeout_s > 0:
+            raise ConfigError("collective_timeout_s and startup_timeout_s must be > 0")
 
     def check_model(self, model: ModelConfig) -> None:
         """Refuse a size the model's shapes do not split into: every rank holds whole attention heads and

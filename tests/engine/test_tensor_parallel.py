@@ -4,8 +4,8 @@ TP=2 greedy output must be TP=1's token for token -- on the oracle prompts with 
 and preemption (swap and recompute), with 16+ adapters mixed in one batch and more adapters than slots, and
 with FP8 weights. Float sums are ordered differently under TP (two partial sums all-reduced), so where a
 request does differ, the Hugging Face reference must show a near-tie there (oracle.TIE_GAP); such cases are
-written to test-artifacts/ like the oracle's own. A killed rank takes the engine to dead, never a hang; sizes
-the model's heads or MLP do not split into are refused.
+written to test-artifacts/ like the oracle's own. A killed or hung rank takes the engine to dead, never a hang;
+sizes the model's heads or MLP do not split into are refused.
 """
 from __future__ import annotations
 
@@ -300,6 +300,23 @@ def test_a_killed_rank_fails_the_engine_instead_of_hanging(tiny_model):
         assert time.monotonic() - t0 < 20  # the watchdog or the closed connection: no collective timeout
         with pytest.raises(TensorParallelFailure):  # and it stays failed
             engine.step()
+
+
+def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(tiny_model):
+    """A rank that stops answering (SIGSTOP: alive, its sockets open) is found by the collective timeout."""
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    with engine_of(tp(make_config(tiny_model), timeout_s=3)) as engine:
+        engine.add_request("r", [5, 6, 7, 8], params)
+        engine.step()
+        rank1 = engine.tp.procs[0]
+        os.kill(rank1.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelFailure, match="timed out"):
+            while engine.has_unfinished():
+                engine.step()
+        assert 3 <= time.monotonic() - t0 < 30
+        rank1.join(10)
+        assert not rank1.is_alive()  # the failed group's ranks are stopped
 
 
 def _ranks_of(pid: int) -> list[int]:

@@ -32,25 +32,32 @@ class TpComm:
     """rank/size, and the four collectives tensor parallelism needs (all in place or to rank 0)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, device: str,
-                 name: str = "compute"):
+                 name: str = "compute", startup_s: float | None = None):
+        """`timeout_s` bounds every collective once `started()`; until then (joining, loading the shards, which
+        takes minutes for a large model and not the same time on every rank) `startup_s` does."""
         self.rank = rank
         self.size = size
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.op_timeout = datetime.timedelta(seconds=max(startup_s or 0, timeout_s))
         prefixed = dist.PrefixStore(f"mplex-tp-{name}", store)  # one store, several groups
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout  # with TORCH_NCCL_ASYNC_ERROR_HANDLING, a stuck collective aborts
+            opts._timeout = self.op_timeout  # with TORCH_NCCL_ASYNC_ERROR_HANDLING, a stuck collective aborts
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.op_timeout)
         self.store = store  # kept alive: rank 0 serves it
         self.backend = backend
         self.failed = False
 
+    def started(self) -> None:
+        """From now on every collective waits at most `timeout_s` (each op carries its own timeout)."""
+        self.op_timeout = self.timeout
+
     def _wait(self, work) -> None:
         try:
-            work.wait(self.timeout)
+            work.wait(self.op_timeout)
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses; all mean a peer is gone
             self.failed = True
             raise CollectiveError(f"tensor-parallel collective failed (rank {self.rank}/{self.size}): {exc}") from exc
@@ -69,12 +76,14 @@ class TpComm:
         """In place: t = the sum (or `op`) of every rank's t."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
+        opts.timeout = self.op_timeout
         self._run(self.pg.allreduce, [t], opts)
         return t
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
+        opts.timeout = self.op_timeout
         self._run(self.pg.broadcast, [t], opts)
         return t
 
@@ -87,6 +96,7 @@ class TpComm:
             return torch.cat(parts, dim) if self.rank == 0 else None
         opts = dist.GatherOptions()
         opts.rootRank = 0
+        opts.timeout = self.op_timeout
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
         self._run(self.pg.gather, [parts] if self.rank == 0 else [], [t], opts)
         return torch.cat(parts, dim) if self.rank == 0 else None

@@ -45,10 +45,17 @@ def _groups(store, rank: int, config: EngineConfig) -> tuple[TpComm, StepChannel
     backend = resolve_backend(p.backend, config.device)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
-    comm = TpComm(store, rank, n, backend, p.collective_timeout_s, device, "compute")
-    control = TpComm(store, rank, n, "gloo", CONTROL_TIMEOUT_S, "cpu", "control")
-    io = comm if backend == "gloo" else TpComm(store, rank, n, "gloo", p.collective_timeout_s, "cpu", "io")
+    start = p.startup_timeout_s
+    comm = TpComm(store, rank, n, backend, p.collective_timeout_s, device, "compute", start)
+    control = TpComm(store, rank, n, "gloo", CONTROL_TIMEOUT_S, "cpu", "control", start)
+    io = comm if backend == "gloo" else TpComm(store, rank, n, "gloo", p.collective_timeout_s, "cpu", "io", start)
     return comm, StepChannel(io, control)
+
+
+def _started(comm: TpComm, channel: StepChannel) -> None:
+    """Loading is over: collectives are bounded by collective_timeout_s from now on."""
+    for c in (comm, channel.comm, channel.control):
+        c.started()
 
 
 def _rank_bytes(comm: TpComm, mine: int) -> list[int]:
@@ -68,7 +75,7 @@ class TpGroup:
         self.config = config
         self.size = n
         self.full_config = ModelConfig.from_dir(config.model_dir)
-        store = open_store(n, p.collective_timeout_s)
+        store = open_store(n, p.startup_timeout_s)
         ctx = multiprocessing.get_context("spawn")
         threads = torch.get_num_threads()
         self.procs = [ctx.Process(target=worker_main, args=(config, r, store.port, threads), daemon=True,
@@ -85,6 +92,7 @@ class TpGroup:
             self.model = load_shard(config.model_dir, self.shard, self.comm, dtype=config.torch_dtype, device=device,
                                     weight_dtype=config.weight_dtype)
             self.rank_weight_bytes = _rank_bytes(self.comm, self.model.weight_bytes())
+            _started(self.comm, self.channel)
         except BaseException:
             self._kill()
             raise
@@ -177,7 +185,7 @@ def _serve_rank(config: EngineConfig, rank: int, port: int) -> None:
 
     p = config.parallel
     store = dist.TCPStore("127.0.0.1", port, p.tensor_parallel_size, False,
-                          timeout=datetime.timedelta(seconds=p.collective_timeout_s))
+                          timeout=datetime.timedelta(seconds=p.startup_timeout_s))
     comm, channel = _groups(store, rank, config)
     full = ModelConfig.from_dir(config.model_dir)
     shard = TpShard(full, rank, p.tensor_parallel_size)
@@ -185,6 +193,7 @@ def _serve_rank(config: EngineConfig, rank: int, port: int) -> None:
     model = load_shard(config.model_dir, shard, comm, dtype=config.torch_dtype, device=device,
                        weight_dtype=config.weight_dtype)
     _rank_bytes(comm, model.weight_bytes())
+    _started(comm, channel)
     local, bs = model.config, config.cache.block_size
     # The same sizing as rank 0's engine (same config, same local shapes): the same block ids everywhere.
     num_blocks = config.cache.resolve_num_blocks(local, config.torch_dtype)
