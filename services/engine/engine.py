@@ -97,7 +97,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
         attention_kernel = _attention_kernel(config, mcfg, block_size)
-        self.runner = (ModelRunner if self.tp is None else self.tp.make_runner)(self.model, num_blocks, block_size, self.eos_token_ids,
+        make_runner = ModelRunner if self.tp is None else self.tp.make_runner  # rank 0's sends each step first
+        self.runner = make_runner(self.model, num_blocks, block_size, self.eos_token_ids,
                                   attention_kernel=attention_kernel, kv_dtype=config.cache.kv_dtype,
                                   fp8_writer=_fp8_writer(config, attention_kernel))
         num_host_blocks = config.cache.resolve_num_host_blocks(self.runner.block_bytes, num_blocks)
