@@ -26,8 +26,8 @@ from services.engine.parallel.shard import TpShard
 
 log = logging.getLogger("mplex.engine.tp")
 
-# The header of the next command is awaited on a group of its own with this timeout: an idle engine sends
-# nothing for as long as it is idle, and a dead rank 0 is noticed by the closed connection (and PDEATHSIG).
+# Ranks 1..N-1 await the next command on a group of its own with this timeout: an idle engine sends nothing
+# for as long as it is idle, and a dead rank 0 is noticed by the closed connection (and PDEATHSIG).
 CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -47,7 +47,11 @@ def _groups(store, rank: int, config: EngineConfig) -> tuple[TpComm, StepChannel
         torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
     start = p.startup_timeout_s
     comm = TpComm(store, rank, n, backend, p.collective_timeout_s, device, "compute", start)
-    control = TpComm(store, rank, n, "gloo", CONTROL_TIMEOUT_S, "cpu", "control", start)
+    # Only the ranks waiting for rank 0's next command wait without a practical bound; rank 0's own send is
+    # bounded like any collective (gloo sends once the receiver has posted its receive: a rank stuck before
+    # it would otherwise hold rank 0 for as long).
+    control = TpComm(store, rank, n, "gloo", p.collective_timeout_s if rank == 0 else CONTROL_TIMEOUT_S, "cpu",
+                     "control", start)
     io = comm if backend == "gloo" else TpComm(store, rank, n, "gloo", p.collective_timeout_s, "cpu", "io", start)
     return comm, StepChannel(io, control)
 

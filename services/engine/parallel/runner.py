@@ -28,8 +28,9 @@ class TensorParallelFailure(BaseException):
 
 class StepChannel:
     """Rank 0 -> every rank, one broadcast per command: the header with the body inline when it fits in INLINE
-    words (a decode step of ~100 sequences does), on `control`, which has no practical timeout (an idle engine
-    sends nothing); a longer body follows in a second broadcast on the io group, under its timeout."""
+    words (a decode step of ~100 sequences does), on `control`, where the other ranks wait without a practical
+    timeout (an idle engine sends nothing) and rank 0's send is bounded by the collective timeout; a longer
+    body follows in a second broadcast on the io group."""
 
     def __init__(self, comm: TpComm, control: TpComm):
         self.comm = comm
