@@ -38,6 +38,9 @@ from services.engine.sequence import AdapterRef, SamplingParams
 from tests.engine.conftest import collect, make_config, record_swaps, run_all, split_engine
 from tests.engine.oracle import TieLog, hf_greedy
 
+# A hang is the failure these tests exist to catch: one that hangs anyway fails instead of stalling the suite.
+pytestmark = pytest.mark.timeout(300)
+
 MAX_NEW = 32
 SYSTEM = "You are a careful assistant. Answer briefly and exactly. " * 4
 
