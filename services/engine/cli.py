@@ -54,10 +54,15 @@ def serve(
     speculative_max_running: int = typer.Option(32, help="No speculation from this many running sequences on"),
     skip_spec_gate: bool = typer.Option(False, help="Speculate for every model/adapter, not only where `mplex engine "
                                         "spec-gate` found it exact and faster"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1,
+                                             help="Shard the model over N processes / GPUs (rank 0 is the engine core)"),
+    tp_backend: str = typer.Option("auto", help="Tensor-parallel collectives: auto (nccl on CUDA, gloo on CPU) | gloo | nccl"),
+    tp_timeout_s: float = typer.Option(60.0, help="A tensor-parallel collective waiting longer fails the engine (dead, not hung)"),
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
-    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig
+    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, ParallelConfig, SchedulerConfig
+
 
     settings = get_settings()
     config = EngineConfig(
@@ -81,9 +86,10 @@ def serve(
         cpu_attention=cpu_attention,
         failpoints=_failpoints(failpoint, settings.env),
         async_scheduling=async_scheduling,
-        speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
-                                      max_running=speculative_max_running,
-                                      enabled_for=_spec_enabled_for(settings.home, model, speculative, skip_spec_gate)),
+        speculative=_speculative_config(settings.home, model, speculative, num_speculative_tokens,
+                                        speculative_max_running, skip_spec_gate),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, backend=tp_backend,
+                                collective_timeout_s=tp_timeout_s),
     )
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:
@@ -210,6 +216,13 @@ def spec_gate(
     typer.echo(result.message)
     if record:
         typer.echo(f"verdict recorded: {record_verdict(settings.home, model, result)}")
+
+
+def _speculative_config(home: Path, model: Path, method: str, num_tokens: int, max_running: int, skip: bool):
+    from services.engine.config import SpeculativeConfig
+
+    return SpeculativeConfig(method=method, num_speculative_tokens=num_tokens, max_running=max_running,
+                             enabled_for=_spec_enabled_for(home, model, method, skip))
 
 
 def _spec_enabled_for(home: Path, model: Path, method: str, skip: bool) -> tuple[str, ...] | None:

@@ -330,6 +330,39 @@ class SpeculativeConfig:
 
 
 FAILPOINTS = ("step_error", "crash")
+TP_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism (services/engine/parallel/): one base model sharded Megatron-style over
+    `tensor_parallel_size` processes, rank 0 being the engine core. backend "auto" = NCCL on CUDA, gloo on
+    the CPU. A collective that waits longer than `collective_timeout_s` (a rank died or hangs) fails, and
+    the engine goes dead instead of hanging."""
+
+    tensor_parallel_size: int = 1
+    backend: str = "auto"
+    collective_timeout_s: float = 60.0
+    # Joining the group and loading the shards (minutes for a large model, not the same on every rank).
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.backend not in TP_BACKENDS:
+            raise ConfigError(f"tensor parallel backend must be one of {', '.join(TP_BACKENDS)}, got {self.backend!r}")
+        if not self.collective_timeout_s > 0 or not self.startup_timeout_s > 0:
+            raise ConfigError("collective_timeout_s and startup_timeout_s must be > 0")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a size the model's shapes do not split into: every rank holds whole attention heads and
+        whole KV heads (GQA groups stay on one rank) and an equal part of the MLP. The vocabulary need not
+        divide: its last shard is padded (as vLLM pads), and the padding never reaches the sampler."""
+        n = self.tensor_parallel_size
+        for name, value in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads),
+                            ("intermediate_size", model.intermediate_size)):
+            if value % n:
+                raise ConfigError(f"tensor_parallel_size={n} does not divide the model's {name}={value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +395,7 @@ class EngineConfig:
     # worker thread, and post-process step N during step N+1's forward. Token-identical outputs either way.
     async_scheduling: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         for name, _ in self.failpoints:
@@ -379,6 +413,12 @@ class EngineConfig:
             # A verified draft decides how many tokens a row keeps only after its step: the next step cannot be
             # planned during the forward (vLLM v1 refused the pair at first for the same reason).
             raise ConfigError("async_scheduling cannot be combined with speculative decoding; choose one")
+        if self.parallel.tensor_parallel_size > 1:
+            # The step broadcast (parallel/step_io.py) carries neither draft tokens nor placeholder fills yet.
+            if self.speculative.enabled or self.async_scheduling:
+                raise ConfigError("tensor_parallel_size > 1 cannot be combined with speculative decoding or "
+                                  "async_scheduling yet")
+            self.parallel.check_model(ModelConfig.from_dir(Path(self.model_dir)))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -96,6 +96,8 @@ class EngineCore:
         finally:
             if engine.adapters is not None:
                 engine.adapters.shutdown()
+            if engine.tp is not None:
+                engine.tp.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _receive(self, timeout_ms: int) -> None:
@@ -258,6 +260,8 @@ def run_core(config, address: str, num_threads: int, log_level: str) -> None:
         torch.set_num_threads(num_threads)
     t0 = time.perf_counter()
     core = EngineCore(LLMEngine(config, detokenize=False), address)
+    if core.engine.tp is not None:  # a dead rank ends this process as a crash would: front-ends fail over
+        core.engine.tp.exit_on_failure = True
     log.info("engine core ready in %.1f s: %d torch threads, pid %d", time.perf_counter() - t0,
              torch.get_num_threads(), os.getpid())
 

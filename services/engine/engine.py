@@ -83,6 +83,14 @@ class LLMEngine:
         self.detokenize = detokenize
         self._hits_reported = 0
         torch.manual_seed(config.seed)
+        # Tensor parallelism (parallel/): this process is rank 0 -- the scheduler, KV bookkeeping, adapter
+        # decisions and the sampler stay here -- and the group's other ranks are started now.
+        self.tp = None
+        if config.parallel.tensor_parallel_size > 1 and model is None:
+            from services.engine.parallel.group import TpGroup
+
+            self.tp = TpGroup(config)
+            model = self.tp.model
         self.model = model or load_model(
             config.model_dir, dtype=config.torch_dtype, device=config.device, weight_dtype=config.weight_dtype
         )
@@ -93,7 +101,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
         attention_kernel = _attention_kernel(config, mcfg, block_size)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.eos_token_ids,
+        make_runner = ModelRunner if self.tp is None else self.tp.make_runner  # rank 0's sends each step first
+        self.runner = make_runner(self.model, num_blocks, block_size, self.eos_token_ids,
                                   attention_kernel=attention_kernel, kv_dtype=config.cache.kv_dtype,
                                   fp8_writer=_fp8_writer(config, attention_kernel))
         num_host_blocks = config.cache.resolve_num_host_blocks(self.runner.block_bytes, num_blocks)
@@ -110,10 +119,12 @@ class LLMEngine:
         if config.lora.enabled:
             from services.engine.lora.manager import AdapterManager
 
-            self.adapters = AdapterManager(
+            self.adapters = (AdapterManager if self.tp is None else self.tp.make_adapters)(
                 mcfg, config.lora, dtype=config.torch_dtype, device=config.device,
                 cache_dir=config.adapter_cache_dir, wake=self.wake, base_names=config.adapter_base_names,
             )
+        if self.tp is not None:
+            self.runner.adapters = self.adapters  # its slot changes travel with each command
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.adapters,
                                    preemption=self.preemption, share_prompts=config.cache.enable_prompt_sharing)
         self._forks_reported = 0

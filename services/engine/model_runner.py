@@ -166,13 +166,17 @@ class ModelRunner:
             best = min(best, stats.swap_seconds)
         return 2 * n * self.block_bytes, best
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, token_ids: list[int] | None = None) -> StepInputs:
+        """`token_ids`: the step's input ids when the plan's rows carry no sequences (a tensor-parallel
+        worker rebuilds the plan from rank 0's broadcast: parallel/step_io.py)."""
         dev, bs = self.device, self.block_size
         scheduled = plan.scheduled
-        ids: list[int] = []
-        for s in scheduled:
-            ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.draft)])
-            ids.extend(s.draft)  # speculative rows: verified by sampling every one of their positions
+        ids = token_ids
+        if ids is None:
+            ids = []
+            for s in scheduled:
+                ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.draft)])
+                ids.extend(s.draft)  # speculative rows: verified by sampling every one of their positions
         n_seqs = len(scheduled)
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
         lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
@@ -276,7 +280,11 @@ class ModelRunner:
         """A step's CPU-side work before its forward: input tensors, LoRA plan, sampling batch (and the grammar
         masks, filled on a thread while the forward runs). Async scheduling (overlap.py) calls it while the
         previous step's forward runs; it reads sequence state only, never the KV tensors."""
-        inputs = self.prepare(plan)
+        return self.lora_and_sampling(self.prepare(plan), adapters)
+
+    def lora_and_sampling(self, inputs: StepInputs, adapters=None) -> PreparedStep:
+        """The LoRA plan, sampling batch and grammar masks of prepared inputs (a tensor-parallel rank 0 builds
+        its inputs first, sends them, then this)."""
         lora: LoraHook | None = None
         if inputs.has_lora:
             from services.engine.lora.step import StepLora

@@ -1,5 +1,5 @@
 """Static checks of infra/terraform: formatting, parsing, documented interfaces, references, checkov, and the
-Multiplex-specific guarantees (who may write the bucket, one GPU per engine, a single beat...)."""
+Multiplex-specific guarantees (who may write the bucket, one GPU per tensor-parallel rank, a single beat...)."""
 from __future__ import annotations
 
 import re
@@ -130,14 +130,20 @@ def test_data_stores_are_private_encrypted_and_tls_only():
         assert setting in s3, setting
 
 
-def test_gpu_nodes_are_tainted_and_engines_take_one_gpu_each():
+def test_gpu_nodes_are_tainted_and_engines_take_one_gpu_per_tensor_parallel_rank():
     nodes = _block(_hcl("eks", "nodes.tf"), 'resource "aws_eks_node_group" "gpu"')
     assert re.search(r'taint \{\s*key\s*= "nvidia.com/gpu"\s*value\s*= "true"\s*effect\s*= "NO_SCHEDULE"', nodes)
     assert '"p5.48xlarge"' in _hcl("eks", "variables.tf")
     engine = _hcl("k8s_app", "engine.tf")
+    assert re.search(r"engine_gpus\s*= tostring\(var\.engine\.tensor_parallel_size\)", engine)
     sts = _block(engine, 'resource "kubernetes_stateful_set_v1" "engine"')
-    assert sts.count('"nvidia.com/gpu" = "1"') == 2  # request and limit
-    assert "toleration {" in sts and "node_selector                    = var.gpu_node_selector" in sts
+    assert sts.count('"nvidia.com/gpu" = local.engine_gpus') == 2  # request and limit: one GPU per rank
+    assert '"--tensor-parallel-size", local.engine_gpus' in sts  # the engine starts as many ranks
+    assert "toleration {" in sts and "node_selector                    = merge(var.gpu_node_selector, var.engine.node_selector)" in sts
+    # The ranks talk NCCL inside the pod: its env, and shared memory sized by the ranks.
+    assert 'for_each = local.engine_nccl_env' in sts and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in engine
+    assert re.search(r'name = "dshm"\s*empty_dir \{\s*medium\s*= "Memory"\s*size_limit = "\$\{max\(16, 8 \* var\.engine\.tensor_parallel_size\)\}Gi"', sts)
+    assert "contains([1, 2, 4, 8], var.engine.tensor_parallel_size)" in _hcl("k8s_app", "variables.tf")
     assert 'path = "/health"' in _block(sts, "readiness_probe")  # the one engine path open to probes
     assert "engine_drain.py" in _block(sts, "pre_stop")
     assert "termination_grace_period_seconds = var.engine.termination_grace_period_seconds" in sts

@@ -48,12 +48,14 @@ class Fp8Weight:
         return (self.weight.float() * self.scale[:, None]).to(dtype)
 
 
-def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
-    """Per-output-channel e4m3 quantization of a dense [out, in] weight; all-zero rows get scale 1."""
+def quantize_fp8(w: torch.Tensor, amax: torch.Tensor | None = None) -> Fp8Weight:
+    """Per-output-channel e4m3 quantization of a dense [out, in] weight; all-zero rows get scale 1. `amax`:
+    each row's absolute maximum over the whole row when `w` holds only some of its columns (a
+    tensor-parallel shard of a row-parallel weight), so the shard gets the unsharded weight's scales."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_fp8 expects a 2-D floating-point weight, got {w.dtype} {tuple(w.shape)}")
     w32 = w.detach().float()
-    amax = w32.abs().amax(dim=1)
+    amax = w32.abs().amax(dim=1) if amax is None else amax.float()
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("quantize_fp8: the weight has NaN or Inf entries")
     # A zero row would give scale 0 and 0/0 below; any positive scale stores it exactly as zeros.

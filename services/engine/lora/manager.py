@@ -26,7 +26,7 @@ from services.engine.kernels import sgmv_native
 from services.engine.lora.cpu_slots import CpuSlotStacks
 from services.engine.lora.native_slots import NativeSlotTable
 from services.engine.lora.sources import is_local
-from services.engine.lora.weights import LoraWeights, read_lora, to_weights
+from services.engine.lora.weights import LoraArrays, LoraWeights, read_lora, to_weights
 from services.engine.sequence import AdapterRef, Sequence
 
 log = logging.getLogger("mplex.engine.lora")
@@ -93,7 +93,7 @@ class AdapterManager:
         self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="mplex-adapters-"))
         self.wake = wake  # set when a load finishes, so an idle step loop wakes up
         n, r = config.max_loras, config.max_lora_rank
-        dims = model.base_dims().module_dims()
+        dims = self._module_dims(model)
         self.fused = device == "cpu"
         self.slices = group_slices(dims)
         # CPU: native per-slot buffers or torch rank-class stacks per group. CUDA: stacks[layer][module],
@@ -251,8 +251,8 @@ class AdapterManager:
 
     def _read(self, ref: AdapterRef) -> LoraWeights:
         path = self._fetch(ref)
-        arrays = read_lora(path, self.model, max_rank=self.config.max_lora_rank, name=ref.name,
-                           expected_content_id=ref.content_id, base_names=self.base_names)
+        arrays = self._local_part(read_lora(path, self.model, max_rank=self.config.max_lora_rank, name=ref.name,
+                                            expected_content_id=ref.content_id, base_names=self.base_names))
         if isinstance(self.cpu, NativeSlotTable):  # laid out for a slot here, off the step loop
             return self.cpu.pack(arrays)
         return to_weights(arrays, self.dtype)
@@ -349,6 +349,14 @@ class AdapterManager:
         old = self._owner[slot]
         if old is not None:
             del self._slot_of[old]
+        self._write_slot(slot, weights)
+        self._owner[slot] = weights.content_id
+        self._slot_of[weights.content_id] = slot
+        self.slot_loads += 1
+        return slot
+
+    def _write_slot(self, slot: int, weights: LoraWeights) -> None:
+        """Put the adapter's weights in device slot `slot` (whatever it held is overwritten)."""
         if self.cpu is not None:
             self.cpu.install(slot, weights)
         for layer, stacks in enumerate(self.stacks):
@@ -362,10 +370,6 @@ class AdapterManager:
                 stack.a[slot, :r].copy_(a, non_blocking=True)
                 stack.b[slot, :, :r].copy_(b, non_blocking=True)
                 stack.ranks[slot] = r
-        self._owner[slot] = weights.content_id
-        self._slot_of[weights.content_id] = slot
-        self.slot_loads += 1
-        return slot
 
     def unload(self, content_id: str) -> bool:
         """Drop an adapter from both tiers unless a running sequence uses it. True if it was present."""
@@ -375,11 +379,23 @@ class AdapterManager:
                 raise AdapterFormatError("adapter_in_use", "the adapter is in use by running requests")
             del self._slot_of[content_id]
             self._owner[slot] = None
-            if self.cpu is not None:
-                self.cpu.evict(slot)
+            self._clear_slot(slot)
             self._idle_slots.move_to_end(slot, last=False)
         self._failed.pop(content_id, None)
         return self._host.pop(content_id, None) is not None or slot is not None
+
+    def _clear_slot(self, slot: int) -> None:
+        if self.cpu is not None:
+            self.cpu.evict(slot)
+
+    # -- what a tensor-parallel rank changes (parallel/lora.py) ------------------------------------
+    def _module_dims(self, model: ModelConfig) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection the slots hold: the model's own on one device."""
+        return model.base_dims().module_dims()
+
+    def _local_part(self, arrays: LoraArrays) -> LoraArrays:
+        """The part of a validated adapter this process's slots hold: all of it on one device."""
+        return arrays
 
     # -- views ---------------------------------------------------------------------------------
     def is_host_resident(self, content_id: str) -> bool:

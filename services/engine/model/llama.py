@@ -80,7 +80,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         cfg = self.config
-        h = fp8_embedding(input_ids, self.embed, self.dtype) if isinstance(self.embed, Fp8Weight) else F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
         q_size, kv_size = cfg.q_size, cfg.kv_size
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
@@ -96,7 +96,7 @@ class LlamaModel:
             o = layer.o(a)
             if lora is not None:
                 lora.apply(i, "o", a, o)
-            h = h + o
+            h = h + self.reduce(o)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gu = layer.gate_up(x)
             if lora is not None:
@@ -106,8 +106,18 @@ class LlamaModel:
             d = layer.down(m)
             if lora is not None:
                 lora.apply(i, "down", m, d)
-            h = h + d
+            h = h + self.reduce(d)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, Fp8Weight):
+            return fp8_embedding(input_ids, self.embed, self.dtype)
+        return F.embedding(input_ids, self.embed)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output (o, down, LoRA delta included) made whole: the identity on one
+        device; the sum over ranks under tensor parallelism (parallel/model.py)."""
+        return partial
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

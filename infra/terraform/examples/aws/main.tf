@@ -115,7 +115,12 @@ module "app" {
   cluster_autoscaler_role_arn = module.eks.cluster_autoscaler_role_arn
 
   gateway = { tls_certificate_arn = var.gateway_tls_certificate_arn }
-  engine  = { min_replicas = var.engines.min, max_replicas = var.engines.max, extra_args = var.engine_extra_args }
+  engine = {
+    min_replicas         = var.engines.min
+    max_replicas         = var.engines.max
+    extra_args           = var.engine_extra_args
+    tensor_parallel_size = var.engine_tensor_parallel_size
+  }
 
   install_monitoring = var.install_monitoring
   dashboards         = { "multiplex.json" = file("${path.module}/../../../grafana/multiplex.json") }

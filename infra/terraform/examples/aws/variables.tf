@@ -76,12 +76,23 @@ variable "gpu_nodes" {
 }
 
 variable "engines" {
-  description = "Min and max engine replicas (one GPU each); max should not exceed GPUs available in gpu_nodes.max."
+  description = "Min and max engine replicas (engine_tensor_parallel_size GPUs each); max should not exceed the GPUs of gpu_nodes.max / engine_tensor_parallel_size."
   type = object({
     min = number
     max = number
   })
   default = { min = 2, max = 16 }
+}
+
+variable "engine_tensor_parallel_size" {
+  description = "GPUs one engine spans (tensor parallelism, NCCL over NVLink inside one node): 1 for a base that fits one GPU, 2 or 4 for a 70B-class FP8 base on H100-80GB. Engines per node = 8 / this."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = contains([1, 2, 4, 8], var.engine_tensor_parallel_size)
+    error_message = "engine_tensor_parallel_size must divide the 8 GPUs of a node: 1, 2, 4 or 8."
+  }
 }
 
 variable "engine_extra_args" {

@@ -1,10 +1,22 @@
-# Engines: a StatefulSet with one pod per GPU. Each pod keeps the base-model checkpoint on its own volume
+# Engines: a StatefulSet with one pod per engine; an engine spans `tensor_parallel_size` GPUs of one node (one
+# tensor-parallel rank per GPU, NCCL over NVLink between them; docs/engine.md "Tensor parallelism"). Each pod keeps the base-model checkpoint on its own volume
 # (synced from S3 by an init container, incremental across restarts), is ready only once the model is loaded,
 # and drains its in-flight streams before it is stopped.
 
 locals {
   engine_service      = "mplex-engine"
   engine_drain_budget = var.engine.termination_grace_period_seconds - 30 # leave time for SIGTERM shutdown itself
+  engine_gpus         = tostring(var.engine.tensor_parallel_size)
+  # NCCL between the ranks of one pod: NVLink peer-to-peer and shared memory inside the node, never the network;
+  # a collective on a dead rank errors out (the engine then goes dead and the pod restarts) instead of hanging.
+  engine_nccl_env = merge({
+    NCCL_DEBUG                      = "WARN"
+    NCCL_P2P_LEVEL                  = "NVL"
+    NCCL_IB_DISABLE                 = "1"
+    NCCL_SOCKET_IFNAME              = "lo"
+    TORCH_NCCL_ASYNC_ERROR_HANDLING = "1"
+    TORCH_NCCL_BLOCKING_WAIT        = "0"
+  }, var.engine.nccl_env)
 }
 
 resource "kubernetes_service_v1" "engine" {
@@ -64,7 +76,7 @@ resource "kubernetes_stateful_set_v1" "engine" {
       spec {
         service_account_name             = kubernetes_service_account_v1.engine.metadata[0].name
         automount_service_account_token  = false
-        node_selector                    = var.gpu_node_selector
+        node_selector                    = merge(var.gpu_node_selector, var.engine.node_selector)
         termination_grace_period_seconds = var.engine.termination_grace_period_seconds
 
         toleration {
@@ -135,7 +147,8 @@ resource "kubernetes_stateful_set_v1" "engine" {
           # "Processes"); their ZMQ socket lives under /tmp (the scratch volume). The container ends when the core does.
           command = ["mplex", "engine", "serve", "--model", "/models/base", "--host", "0.0.0.0", "--port", "8100"]
           args = concat(
-            ["--served-model-name", var.engine.served_model_name, "--engine-id", "$(POD_NAME)"],
+            ["--served-model-name", var.engine.served_model_name, "--engine-id", "$(POD_NAME)",
+            "--tensor-parallel-size", local.engine_gpus],
             var.engine.extra_args,
           )
 
@@ -158,6 +171,13 @@ resource "kubernetes_stateful_set_v1" "engine" {
             name  = "MPLEX_ENGINE_ADVERTISE_URL"
             value = "http://$(POD_NAME).${local.engine_service}.${var.namespace}.svc.cluster.local:8100"
           }
+          dynamic "env" {
+            for_each = local.engine_nccl_env
+            content {
+              name  = env.key
+              value = env.value
+            }
+          }
           env_from {
             config_map_ref {
               name = kubernetes_config_map_v1.env.metadata[0].name
@@ -169,10 +189,11 @@ resource "kubernetes_stateful_set_v1" "engine" {
             }
           }
 
-          # Guaranteed QoS: one whole GPU and the CPU/memory share of it on a p5.48xlarge (192 vCPU, 2 TiB, 8 GPUs).
+          # Guaranteed QoS: whole GPUs (one per tensor-parallel rank, all on one node) and the CPU/memory share
+          # of them on a p5.48xlarge (192 vCPU, 2 TiB, 8 GPUs); var.engine.cpu/memory are the pod's.
           resources {
-            requests = { cpu = var.engine.cpu, memory = var.engine.memory, "nvidia.com/gpu" = "1", "ephemeral-storage" = "20Gi" }
-            limits   = { cpu = var.engine.cpu, memory = var.engine.memory, "nvidia.com/gpu" = "1", "ephemeral-storage" = "40Gi" }
+            requests = { cpu = var.engine.cpu, memory = var.engine.memory, "nvidia.com/gpu" = local.engine_gpus, "ephemeral-storage" = "20Gi" }
+            limits   = { cpu = var.engine.cpu, memory = var.engine.memory, "nvidia.com/gpu" = local.engine_gpus, "ephemeral-storage" = "40Gi" }
           }
 
           # Loading tens of GB of weights takes minutes: liveness waits for the start-up probe.
@@ -256,12 +277,13 @@ resource "kubernetes_stateful_set_v1" "engine" {
             size_limit = "50Gi"
           }
         }
-        # NCCL and pinned-memory transfers use shared memory; the container default of 64 MiB is far too small.
+        # NCCL (its intra-node transport between the tensor-parallel ranks) and pinned-memory transfers use shared
+        # memory; the container default of 64 MiB is far too small. 16 GiB, and 8 GiB per rank beyond two.
         volume {
           name = "dshm"
           empty_dir {
             medium     = "Memory"
-            size_limit = "16Gi"
+            size_limit = "${max(16, 8 * var.engine.tensor_parallel_size)}Gi"
           }
         }
       }

@@ -178,7 +178,7 @@ variable "gateway" {
 # --- engines --------------------------------------------------------------------------------------------------
 
 variable "engine" {
-  description = "Engine StatefulSet: one pod per GPU. HPA on waiting requests and KV occupancy per engine (needs the Prometheus stack); max_replicas is bounded by GPUs in the GPU node group."
+  description = "Engine StatefulSet: one pod per engine, holding tensor_parallel_size GPUs of one node (one rank per GPU, NCCL between them; cpu and memory are the whole pod's). HPA on waiting requests and KV occupancy per engine (needs the Prometheus stack); max_replicas is bounded by the GPU node group's GPUs / tensor_parallel_size. node_selector is merged over gpu_node_selector (e.g. a GPU product label, so TP ranks share NVLink); nccl_env is merged over the NCCL defaults in engine.tf."
   type = object({
     min_replicas                     = optional(number, 2)
     max_replicas                     = optional(number, 8)
@@ -190,6 +190,9 @@ variable "engine" {
     memory                           = optional(string, "200Gi")
     model_volume_size                = optional(string, "300Gi")
     termination_grace_period_seconds = optional(number, 600)
+    tensor_parallel_size             = optional(number, 1)
+    node_selector                    = optional(map(string), {})
+    nccl_env                         = optional(map(string), {})
   })
   default = {}
 
@@ -201,6 +204,11 @@ variable "engine" {
   validation {
     condition     = var.engine.termination_grace_period_seconds >= 60
     error_message = "engine.termination_grace_period_seconds must be at least 60: streams in flight need time to finish."
+  }
+
+  validation {
+    condition     = contains([1, 2, 4, 8], var.engine.tensor_parallel_size)
+    error_message = "engine.tensor_parallel_size must be 1, 2, 4 or 8 (the GPUs of one node a single engine spans; it must divide the model's attention heads, KV heads and MLP size)."
   }
 
   validation {
