@@ -61,41 +61,49 @@ def serve(
 ) -> None:
     """Load the model and serve the internal stream + OpenAI endpoints."""
     from services.common.settings import get_settings
-    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, ParallelConfig, SchedulerConfig
-
 
     settings = get_settings()
-    config = EngineConfig(
-        model_dir=model,
-        served_model_name=served_model_name,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        device=device,
-        cache=CacheConfig(block_size=block_size, memory_bytes=kv_memory_mb * 2**20, kv_dtype=kv_dtype,
-                          swap_space_bytes=None if swap_space_mb is None else swap_space_mb * 2**20,
-                          preemption_mode=preemption_mode, enable_prompt_sharing=prompt_sharing),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
-                                  policy=scheduling_policy, interactive_ttft_slo_s=interactive_ttft_slo_s or None,
-                                  batch_ttft_slo_s=batch_ttft_slo_s or None,
-                                  batch_max_tokens_under_overload=batch_max_tokens_under_overload or None),
-        lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-                        cpu_kernel=lora_cpu_kernel),
-        engine_id=engine_id,
-        adapter_stores=(settings.storage_url,),
-        adapter_base_names=_base_names(model, served_model_name),
-        cpu_attention=cpu_attention,
-        failpoints=_failpoints(failpoint, settings.env),
-        async_scheduling=async_scheduling,
-        speculative=_speculative_config(settings.home, model, speculative, num_speculative_tokens,
-                                        speculative_max_running, skip_spec_gate),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, backend=tp_backend,
-                                collective_timeout_s=tp_timeout_s),
-    )
+    config = _engine_config(dict(locals()), settings)
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:
         _run_split(config, settings, host, port, advertise_url, redis_url, log_level, frontends, core_threads)
     else:
         _run(config, settings, host, port, advertise_url, redis_url, log_level)
+
+
+def _engine_config(options: dict, settings):
+    """The EngineConfig of `serve`'s options (its parameters, by name)."""
+    from types import SimpleNamespace
+
+    from services.engine.config import CacheConfig, EngineConfig, LoraConfig, ParallelConfig, SchedulerConfig
+
+    o = SimpleNamespace(**options)
+    return EngineConfig(
+        model_dir=o.model,
+        served_model_name=o.served_model_name,
+        dtype=o.dtype,
+        weight_dtype=o.weight_dtype,
+        device=o.device,
+        cache=CacheConfig(block_size=o.block_size, memory_bytes=o.kv_memory_mb * 2**20, kv_dtype=o.kv_dtype,
+                          swap_space_bytes=None if o.swap_space_mb is None else o.swap_space_mb * 2**20,
+                          preemption_mode=o.preemption_mode, enable_prompt_sharing=o.prompt_sharing),
+        scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_batched_tokens, max_model_len=o.max_model_len,
+                                  policy=o.scheduling_policy, interactive_ttft_slo_s=o.interactive_ttft_slo_s or None,
+                                  batch_ttft_slo_s=o.batch_ttft_slo_s or None,
+                                  batch_max_tokens_under_overload=o.batch_max_tokens_under_overload or None),
+        lora=LoraConfig(max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
+                        cpu_kernel=o.lora_cpu_kernel),
+        engine_id=o.engine_id,
+        adapter_stores=(settings.storage_url,),
+        adapter_base_names=_base_names(o.model, o.served_model_name),
+        cpu_attention=o.cpu_attention,
+        failpoints=_failpoints(o.failpoint, settings.env),
+        async_scheduling=o.async_scheduling,
+        speculative=_speculative_config(settings.home, o.model, o.speculative, o.num_speculative_tokens,
+                                        o.speculative_max_running, o.skip_spec_gate),
+        parallel=ParallelConfig(tensor_parallel_size=o.tensor_parallel_size, backend=o.tp_backend,
+                                collective_timeout_s=o.tp_timeout_s),
+    )
 
 
 def _uvicorn_options(log_level: str) -> dict:

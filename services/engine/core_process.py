@@ -9,7 +9,6 @@ until then -- and never the core itself.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -44,7 +43,6 @@ from services.engine.sequence import AdapterRef, InvalidRequest, Priority, Sampl
 
 log = logging.getLogger("mplex.engine.core")
 
-_PR_SET_PDEATHSIG = 1
 _REPLIES = "inproc://core-replies"  # blocking ops' replies, back onto the loop thread (sockets are not shared)
 
 
@@ -238,19 +236,11 @@ def _reply(msg: Call, fn, engine: LLMEngine) -> CallReply:
         return CallReply(msg.call_id, None, ErrorInfo.of(exc))
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent (the launcher) dies, however it died."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the launcher died before prctl took effect
-        os._exit(1)
-
-
 def run_core(config, address: str, num_threads: int, log_level: str) -> None:
     """The core process's entry point (spawned by services.engine.launcher)."""
     from services.common.logging import configure
+
+    from services.engine.process_life import die_with_parent
 
     die_with_parent()
     configure("engine", log_level)

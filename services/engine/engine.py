@@ -18,6 +18,7 @@ from services.engine.admission import LoadTracker
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import DecodeStream, StopMatcher, TokenizerInfo
 from services.engine.grammar import GrammarCache
+from services.engine.kernels.choice import attention_kernel_for, fp8_writer_for
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.host_pool import HostBlockPool
 from services.engine.kv.manager import KVCacheManager
@@ -100,11 +101,11 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(mcfg, config.torch_dtype)
-        attention_kernel = _attention_kernel(config, mcfg, block_size)
+        attention_kernel = attention_kernel_for(config, mcfg, block_size)
         make_runner = ModelRunner if self.tp is None else self.tp.make_runner  # rank 0's sends each step first
         self.runner = make_runner(self.model, num_blocks, block_size, self.eos_token_ids,
                                   attention_kernel=attention_kernel, kv_dtype=config.cache.kv_dtype,
-                                  fp8_writer=_fp8_writer(config, attention_kernel))
+                                  fp8_writer=fp8_writer_for(config, attention_kernel))
         num_host_blocks = config.cache.resolve_num_host_blocks(self.runner.block_bytes, num_blocks)
         self.runner.allocate_host_blocks(num_host_blocks)
         self.kv = KVCacheManager(BlockPool(num_blocks), block_size, config.cache.enable_prefix_caching,
@@ -150,6 +151,10 @@ class LLMEngine:
 
             self.overlap = OverlapStepper(self)
         self.spec = SpecController(config.speculative) if config.speculative.enabled else None
+        self._log_ready(attention_kernel, num_blocks, num_host_blocks, kv_dtype)
+
+    def _log_ready(self, attention_kernel, num_blocks: int, num_host_blocks: int, kv_dtype: str) -> None:
+        config, block_size = self.config, self.config.cache.block_size
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
@@ -612,49 +617,6 @@ def _logprobs(seq: Sequence, sampled: SamplerOutput, r: int) -> list[TokenLogpro
     k = seq.params.logprobs
     top = list(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k])) if k else []
     return [TokenLogprob(sampled.token_ids[r], sampled.logprobs[r], top)]
-
-
-def _attention_kernel(config: EngineConfig, mcfg, block_size: int):
-    """The paged decode kernel: on the CPU the native one, when config.cpu_attention allows it and it fits
-    here; on CUDA with an fp8 cache the Triton one (which reads fp8 + scales in place rather than
-    dequantizing a gathered copy); otherwise none (gather + SDPA)."""
-    from services.engine.config import ConfigError
-    from services.engine.kernels import attention_native
-
-    if config.device != "cpu":
-        if config.cache.is_fp8 and config.device.startswith("cuda"):
-            from services.engine.kernels.decode_attention import TritonDecodeAttention
-
-            return TritonDecodeAttention()
-        return None
-    if config.cpu_attention == "torch":
-        return None
-    why = None
-    if not attention_native.NativeAttention.supports(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, block_size,
-                                                     config.torch_dtype):
-        why = (f"it takes fp32, at most {attention_native.MAX_GROUP} query heads per kv head, head_dim <= "
-               f"{attention_native.MAX_HEAD_DIM} and block_size <= {attention_native.MAX_BLOCK}")
-    else:
-        try:
-            return attention_native.load()
-        except attention_native.NativeKernelUnavailable as exc:
-            why = str(exc)
-    if config.cpu_attention == "native":
-        kv = " (with kv_dtype=fp8 too: the kernel dequantizes into fp32)" if config.cache.is_fp8 else ""
-        raise ConfigError(f"cpu_attention=native, but {why}{kv}")
-    if config.torch_dtype == torch.float32:  # other dtypes are expected to use SDPA: no warning for them
-        log.warning("native CPU attention unavailable, using gather + SDPA: %s", why)
-    return None
-
-
-def _fp8_writer(config: EngineConfig, attention_kernel):
-    """The native writer of an fp8 cache: the CPU decode kernel's library, when it is in use (fp32 compute;
-    cpu_attention="torch" keeps every KV op in torch). Otherwise kv_fp8.write_fp8_kv writes."""
-    from services.engine.kernels.attention_native import NativeAttention
-
-    if config.cache.is_fp8 and isinstance(attention_kernel, NativeAttention):
-        return attention_kernel
-    return None
 
 
 def _kernel_name(kernel) -> str:

@@ -40,7 +40,7 @@ class FrontendSpec:
 
 
 def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
-    from services.engine.core_process import die_with_parent
+    from services.engine.process_life import die_with_parent
 
     die_with_parent()
     import uvicorn

@@ -27,7 +27,7 @@ import torch
 from services.common.lora_format import content_id
 from services.common.prompting import PromptBuilder
 from services.common.wire import EngineFailed, EngineUnavailable
-from services.engine.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from services.engine.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from services.engine.engine import LLMEngine
 from services.engine.model.loader import load_model
 from services.engine.parallel.comm import TpComm, open_store
@@ -350,3 +350,15 @@ def test_a_killed_rank_takes_a_core_process_to_dead(tiny_model):
             assert late.value.status == 503
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_tensor_parallelism_with_speculation_or_async_scheduling_is_refused(tiny_model):
+    """The step broadcast carries neither draft tokens nor async placeholder fills: the pairs are refused at
+    configuration, never run wrong."""
+    cfg = tp(make_config(tiny_model), 2)
+    with pytest.raises(ConfigError, match="speculative decoding or async_scheduling"):
+        dataclasses.replace(cfg, speculative=SpeculativeConfig(method="ngram"))
+    with pytest.raises(ConfigError, match="speculative decoding or async_scheduling"):
+        dataclasses.replace(cfg, async_scheduling=True)
+    with pytest.raises(ConfigError, match="async_scheduling cannot be combined with speculative decoding"):
+        dataclasses.replace(make_config(tiny_model), async_scheduling=True, speculative=SpeculativeConfig(method="ngram"))

@@ -168,7 +168,7 @@ class TpGroup:
 
 def worker_main(config: EngineConfig, rank: int, port: int, threads: int) -> None:
     """Rank `rank`'s process: join the group, load its shard, serve rank 0's commands until STOP."""
-    from services.engine.core_process import die_with_parent
+    from services.engine.process_life import die_with_parent
 
     die_with_parent()
     torch.set_num_threads(max(1, threads))
@@ -183,7 +183,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, threads: int) -> Non
 def _serve_rank(config: EngineConfig, rank: int, port: int) -> None:
     import datetime
 
-    from services.engine.engine import _attention_kernel, _fp8_writer
+    from services.engine.kernels.choice import attention_kernel_for, fp8_writer_for
     from services.engine.model_runner import ModelRunner
     from services.engine.parallel.lora import TpAdapterManager
 
@@ -201,9 +201,9 @@ def _serve_rank(config: EngineConfig, rank: int, port: int) -> None:
     local, bs = model.config, config.cache.block_size
     # The same sizing as rank 0's engine (same config, same local shapes): the same block ids everywhere.
     num_blocks = config.cache.resolve_num_blocks(local, config.torch_dtype)
-    kernel = _attention_kernel(config, local, bs)
+    kernel = attention_kernel_for(config, local, bs)
     runner = ModelRunner(model, num_blocks, bs, full.eos_token_ids, attention_kernel=kernel,
-                         kv_dtype=config.cache.kv_dtype, fp8_writer=_fp8_writer(config, kernel))
+                         kv_dtype=config.cache.kv_dtype, fp8_writer=fp8_writer_for(config, kernel))
     runner.allocate_host_blocks(config.cache.resolve_num_host_blocks(runner.block_bytes, num_blocks))
     adapters = None
     if config.lora.enabled:
