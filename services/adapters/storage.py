@@ -144,15 +144,7 @@ class ObjectStore:
         recording it left there; services.batch.parts runs one writer per batch (its runner lock)."""
         if not key.startswith("batches/parts/"):
             raise ValueError(f"{key!r} is not a batch part key")
-        target = self._path(key)
-        parent = target.rsplit("/", 1)[0]
-        self.fs.makedirs(parent, exist_ok=True)
-        if self.local:
-            tmp = f"{parent}/{TMP_PREFIX}{uuid.uuid4().hex}"
-            self.fs.put_file(str(path), tmp)
-            os.replace(tmp, target)
-        else:
-            self.fs.put_file(str(path), target)
+        self._publish(path, self._path(key))
         return StoredObject(file_sha256(path), self.uri(key), Path(path).stat().st_size)
 
     def delete_parts(self, prefix: str) -> int:
@@ -179,6 +171,9 @@ class ObjectStore:
             if self._sha(target) != file_sha256(local):
                 raise StorageError(f"object {key} already exists with different bytes; objects are immutable")
             return
+        self._publish(local, target)
+
+    def _publish(self, local: Path, target: str) -> None:
         parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
         if self.local:
