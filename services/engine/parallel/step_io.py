@@ -38,6 +38,7 @@ class Row:
     block_table: tuple[int, ...]
     lora_slot: int
     samples: bool
+    draft: tuple[int, ...] = ()  # always empty: TP refuses speculative decoding (EngineConfig)
 
 
 @dataclass(slots=True)
