@@ -26,6 +26,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code if code is not None else self.default_code
         self.headers = dict(headers or {})
+        self.background = None  # a Starlette BackgroundTask the handler runs after sending the error
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

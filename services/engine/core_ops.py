@@ -38,7 +38,10 @@ def uptime(engine: LLMEngine) -> list[float]:
     return [u.started_at, u.monotonic, u.busy_seconds]
 
 
-def registry_snapshot(engine: LLMEngine, url: str, origin: list[float] | None, engine_type: str | None) -> str:
+def registry_snapshot(engine: LLMEngine, url: str, origin: list[float] | None, engine_type: str | None) -> str | None:
+    """The registry entry's JSON; None once the engine drains (through any front-end): the entry must go."""
+    if engine.draining:
+        return None
     return snapshot(engine, url, Uptime(*origin) if origin else None, engine_type).encode().decode()
 
 

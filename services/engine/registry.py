@@ -96,10 +96,10 @@ async def heartbeat(async_engine, redis_url: str, url: str, stop: asyncio.Event,
     try:
         while not stop.is_set():
             try:
-                if await async_engine.op("is_draining"):  # drained through another front-end: leave now
+                encoded = await async_engine.op("registry_snapshot", url, uptime, engine_type)
+                if encoded is None:  # drained through another front-end: leave now
                     break
-                snap = EngineSnapshot.model_validate_json(
-                    await async_engine.op("registry_snapshot", url, uptime, engine_type))
+                snap = EngineSnapshot.model_validate_json(encoded)
                 async with client.pipeline(transaction=False) as pipe:
                     pipe.set(entry_key(engine_id), snap.encode(), ex=ENTRY_TTL_S)
                     pipe.sadd(REGISTRY_SET, engine_id)

@@ -121,7 +121,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: ApiError):
         # `background`: work the route left for after the response (a refused request's settle and ledger row).
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers,
-                            background=getattr(exc, "background", None))
+                            background=exc.background)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest):

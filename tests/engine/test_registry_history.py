@@ -19,7 +19,7 @@ class StubEngine:
         self.scheduler = SimpleNamespace(num_running=2, num_waiting=1)
         self.kv = SimpleNamespace(usage=0.25)
         self.stats = SimpleNamespace(tokens=0, busy_seconds=0.0)
-        self.draining = False  # the heartbeat asks the core (core_ops.is_draining): drained by another front-end?
+        self.draining = False  # drained through another front-end: the snapshot op answers None
         slots = ["a" * 64, None, None, None]
         self.adapters = SimpleNamespace(resident=lambda: [SimpleNamespace(content_id="a" * 64)], slot_owners=lambda: slots)
 
@@ -32,8 +32,7 @@ class StubAsyncEngine:
         self.info = SimpleNamespace(engine_id=self.engine.config.engine_id)
 
     async def op(self, name, *args):
-        if name == "registry_snapshot":
-            self.engine.stats.tokens += 10  # ten tokens per beat (a beat also asks is_draining)
+        self.engine.stats.tokens += 10  # ten tokens per beat
         return OPS[name](self.engine, *args)
 
 
