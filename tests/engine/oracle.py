@@ -77,3 +77,26 @@ class TieLog:
         path = ARTIFACTS / f"oracle_ties_{self.name}.json"
         path.write_text(json.dumps(self.ties, indent=2))
         print(f"\n[oracle] {self.name}: {len(self.ties)} accepted near-tie divergences (gap < {TIE_GAP}) -> {path}")
+
+
+def oracle_questions_and_prompts(kit) -> tuple[list[str], list[list[int]]]:
+    """The oracle's prompts: questions from every eval set of the demo kit, every third behind a document
+    (longer prompts of mixed lengths). Returns the questions too, for suites that build more prompts."""
+    import random
+
+    from services.common.prompting import PromptBuilder
+
+    builder = PromptBuilder(kit.base_dir)
+    rng = random.Random(7)
+    questions = []
+    for path in [kit.base_eval, *(a.eval_path for a in kit.adapters.values())]:
+        lines = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()]
+        questions += rng.sample(lines, min(6, len(lines)))
+    out = []
+    for i, q in enumerate(questions[:24]):
+        if i % 3 == 0:  # longer prompts: a document before the question
+            doc = " ".join(rng.sample(questions, 6))
+            out.append(builder.chat_ids([{"role": "system", "content": doc}, {"role": "user", "content": q}]))
+        else:
+            out.append(builder.chat_ids([{"role": "user", "content": q}]))
+    return questions, out

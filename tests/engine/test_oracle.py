@@ -7,8 +7,6 @@ recompute and by swapping to the host tier and back (mid-prefill and mid-decode,
 """
 from __future__ import annotations
 
-import json
-import random
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from services.engine.engine import LLMEngine
 from services.engine.class_yield import computes_interactive_prompt
 from services.engine.sequence import Priority, SamplingParams
 from tests.engine.conftest import make_config, make_engine, record_swaps, run_all, run_all_split, spec_tokens
-from tests.engine.oracle import TIE_GAP, TieLog, hf_greedy
+from tests.engine.oracle import TIE_GAP, TieLog, hf_greedy, oracle_questions_and_prompts
 
 MAX_NEW = 40
 SYSTEM = "You are a careful assistant. Answer briefly and exactly. " * 4
@@ -26,19 +24,7 @@ SYSTEM = "You are a careful assistant. Answer briefly and exactly. " * 4
 
 @pytest.fixture(scope="module")
 def prompts(demo_kit) -> list[list[int]]:
-    builder = PromptBuilder(demo_kit.base_dir)
-    rng = random.Random(7)
-    questions = []
-    for path in [demo_kit.base_eval, *(a.eval_path for a in demo_kit.adapters.values())]:
-        lines = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()]
-        questions += rng.sample(lines, min(6, len(lines)))
-    out = []
-    for i, q in enumerate(questions[:24]):
-        if i % 3 == 0:  # longer prompts: a document before the question
-            doc = " ".join(rng.sample(questions, 6))
-            out.append(builder.chat_ids([{"role": "system", "content": doc}, {"role": "user", "content": q}]))
-        else:
-            out.append(builder.chat_ids([{"role": "user", "content": q}]))
+    _, out = oracle_questions_and_prompts(demo_kit)
     assert len(out) >= 20
     lengths = sorted(len(p) for p in out)
     assert lengths[-1] > 3 * lengths[0], "prompts must be of mixed lengths"

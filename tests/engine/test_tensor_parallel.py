@@ -36,7 +36,7 @@ from services.engine.parallel.runner import TensorParallelFailure
 from services.engine.parallel.shard import TpShard
 from services.engine.sequence import AdapterRef, SamplingParams
 from tests.engine.conftest import collect, make_config, record_swaps, run_all, split_engine
-from tests.engine.oracle import TieLog, hf_greedy
+from tests.engine.oracle import TieLog, hf_greedy, oracle_questions_and_prompts
 
 # A hang is the failure these tests exist to catch: one that hangs anyway fails instead of stalling the suite.
 pytestmark = pytest.mark.timeout(300)
@@ -99,19 +99,8 @@ def check_pair(name: str, requests: list[dict], want, got, reference) -> int:
 def prompts(demo_kit) -> list[list[int]]:
     """test_oracle's recipe: questions from every eval set, every third behind a document; and a shared system
     prompt in front of eight of them (prefix hits)."""
+    questions, out = oracle_questions_and_prompts(demo_kit)
     builder = PromptBuilder(demo_kit.base_dir)
-    rng = random.Random(7)
-    questions = []
-    for path in [demo_kit.base_eval, *(a.eval_path for a in demo_kit.adapters.values())]:
-        lines = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()]
-        questions += rng.sample(lines, min(6, len(lines)))
-    out = []
-    for i, q in enumerate(questions[:24]):
-        if i % 3 == 0:
-            doc = " ".join(rng.sample(questions, 6))
-            out.append(builder.chat_ids([{"role": "system", "content": doc}, {"role": "user", "content": q}]))
-        else:
-            out.append(builder.chat_ids([{"role": "user", "content": q}]))
     out += [builder.chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in questions[:8]]
     return out
 
