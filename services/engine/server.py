@@ -73,7 +73,7 @@ def create_app(engine: AsyncEngine | CoreClient, *, engine_tokens: Sequence[str]
     return app
 
 
-def _wire_version(request: Request) -> None:
+async def _wire_version(request: Request) -> None:  # async: a sync dependency costs a thread-pool hop per request
     check_wire_version(request.headers.get(WIRE_HEADER))
 
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+from importlib import metadata
 from pathlib import Path
 
 import aiohttp
 import redis.asyncio as aioredis
+from redis.driver_info import DriverInfo
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.internal_auth import client_headers
@@ -39,12 +41,17 @@ class Gateway:
         await self.redis.aclose()
 
 
+# Given once: without it redis-py reads its own package metadata (importlib.metadata, ~0.5 ms) for every new
+# connection, on the event loop -- a burst of 256 requests on a cold pool took 366 ms of pings instead of 143.
+_DRIVER_INFO = DriverInfo(name="redis-py", lib_version=metadata.version("redis"))
+
+
 def make_redis(url: str, max_connections: int = 256) -> aioredis.Redis:
     """A client whose pool waits for a free connection under bursts instead of failing. Short socket
     timeouts: a Redis outage must become a fast 503, not a hung request."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=5, socket_timeout=2, socket_connect_timeout=2,
-        health_check_interval=10,
+        health_check_interval=10, driver_info=_DRIVER_INFO,
     )
     return aioredis.Redis(connection_pool=pool)
 
