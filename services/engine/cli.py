@@ -41,6 +41,9 @@ def serve(
     interactive_ttft_slo_s: float = typer.Option(2.0, help="Refuse (503 engine_overloaded) interactive requests whose estimated TTFT is over this; 0 = never"),
     batch_ttft_slo_s: float = typer.Option(600.0, help="The same for the batch class; 0 = never"),
     batch_max_tokens_under_overload: int = typer.Option(256, help="max_tokens clamp for batch requests under sustained overload; 0 = none"),
+    max_step_ms: float = typer.Option(250.0, help="Wall-time target per step: prompt work is capped at what the measured "
+                                      "step cost leaves beside the decodes, so a request arriving mid-step waits out "
+                                      "a short step; 0 = token budget only"),
     failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
     frontends: int = typer.Option(1, min=0, help="HTTP front-end processes beside the engine core process "
                                   "(0: the HTTP server shares the core's process, as before the split)"),
@@ -90,7 +93,8 @@ def _engine_config(options: dict, settings):
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_batched_tokens, max_model_len=o.max_model_len,
                                   policy=o.scheduling_policy, interactive_ttft_slo_s=o.interactive_ttft_slo_s or None,
                                   batch_ttft_slo_s=o.batch_ttft_slo_s or None,
-                                  batch_max_tokens_under_overload=o.batch_max_tokens_under_overload or None),
+                                  batch_max_tokens_under_overload=o.batch_max_tokens_under_overload or None,
+                                  max_step_s=o.max_step_ms / 1000 if o.max_step_ms else None),
         lora=LoraConfig(max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
                         cpu_kernel=o.lora_cpu_kernel),
         engine_id=o.engine_id,

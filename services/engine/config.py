@@ -249,10 +249,15 @@ class SchedulerConfig:
     # A step's lower-class (batch) prompt work, chunks included, is at most this many tokens (None: the
     # whole budget), so the step an arriving interactive request waits out is short (class_yield.py).
     lower_class_prefill_tokens: int | None = 128
+    # A wall-time target per step (step_time.py): prompt work is capped at what the fitted step cost leaves
+    # beside the decodes, so a request arriving mid-step waits out a short step. None: the token budget only.
+    max_step_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.lower_class_prefill_tokens is not None and self.lower_class_prefill_tokens <= 0:
             raise ConfigError("lower_class_prefill_tokens must be > 0 or None")
+        if self.max_step_s is not None and not self.max_step_s > 0:
+            raise ConfigError("max_step_s must be > 0 or None")
         if self.policy not in ("fair", "fcfs"):
             raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
         for name in ("interactive_ttft_slo_s", "batch_ttft_slo_s"):

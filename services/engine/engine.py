@@ -422,6 +422,8 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.busy_seconds += elapsed
         self.stats.tokens += total
+        if self.scheduler.step_bound is not None:
+            self.scheduler.step_bound.observe(total, elapsed)
         self.metrics.busy_seconds.inc(elapsed)
         self.metrics.step_time.observe(elapsed)
         outputs: list[RequestOutput] = []

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.class_yield import class_budget_cap, computes_interactive_prompt
+from services.engine.step_time import StepTimeBound
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import Admission, Tenants, WaitQueue
 from services.engine.forks import WAIT, PromptGroups
@@ -111,6 +112,9 @@ class Scheduler:
         # The device slot being drained for a request that has waited too long for one (see _admit).
         self.draining_slot: int | None = None
         self.budget_cap: int | None = None  # the plan's token count the current class may fill to (class_yield.py)
+        # The plan's token count prompt work may fill to this step (step_time.py); None: the token budget.
+        self.step_bound = StepTimeBound(config.max_step_s) if config.max_step_s is not None else None
+        self.time_cap: int | None = None
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -161,15 +165,21 @@ class Scheduler:
             if seq.status is Status.RUNNING:  # not preempted earlier in this loop
                 self._run(seq, plan)
         prefills = sorted((s for s in self.running if s.num_tokens - s.num_computed_tokens > 1), key=lambda s: s.sort_key)
+        if self.step_bound is not None:
+            self.time_cap = plan.num_batched_tokens + self.step_bound.prompt_tokens(plan.num_batched_tokens)
         self._fill(plan, prefills, admit=not plan.preempted)
+        self.time_cap = None
         # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
         plan.scheduled.sort(key=lambda s: s.lora_slot)
         plan.block_copies = self.kv.take_copies()
         return plan
 
     def _budget(self, plan: StepPlan) -> int:
-        cap = self.config.max_num_batched_tokens if self.budget_cap is None else self.budget_cap
-        return min(cap, self.config.max_num_batched_tokens) - plan.num_batched_tokens
+        cap = self.config.max_num_batched_tokens
+        for c in (self.budget_cap, self.time_cap):
+            if c is not None:
+                cap = min(cap, c)
+        return cap - plan.num_batched_tokens
 
     def _run(self, seq: Sequence, plan: StepPlan) -> None:
         """Schedule a running sequence's next tokens (a decode or a prefill chunk), preempting to make room."""

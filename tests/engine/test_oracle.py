@@ -287,6 +287,40 @@ def test_batch_prompts_held_for_interactive_first_tokens(demo_kit, prompts, refe
     assert any(held)  # batch prompts really were held back for interactive ones
 
 
+def test_steps_bounded_in_time(demo_kit, prompts, references):
+    """A wall-time target per step (step_time.py) cuts prompt work into what the fitted step cost leaves beside
+    the decodes: decodes are never cut, prompt work per step stays within the cap, outputs are still HF's. The
+    cost model is pinned (a prior no real step can outweigh), so which steps are cut does not depend on this
+    machine's speed."""
+    import dataclasses
+
+    from services.engine.step_time import MIN_PROMPT_TOKENS, StepCostModel, StepTimeBound
+
+    config = make_config(demo_kit.base_dir, block_size=4, budget=2048)
+    engine = LLMEngine(dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_step_s=0.1)))
+    sched = engine.scheduler
+    assert sched.step_bound is not None
+    # 1 ms fixed + 1 ms a token: 0.1 s leaves 99 tokens, less the decodes (at least MIN_PROMPT_TOKENS).
+    sched.step_bound = StepTimeBound(0.1, StepCostModel(fixed=1e-3, per_token=1e-3, prior_weight=1e12))
+    schedule, cut = sched.schedule, []
+
+    def observed():  # the real scheduler's plan, looked at
+        waiting_decodes = {id(s) for s in sched.running if s.num_tokens - s.num_computed_tokens == 1}
+        plan = schedule()
+        decodes = [s for s in plan.scheduled if s.num_new_tokens == 1 and id(s.seq) in waiting_decodes]
+        assert len(decodes) == len(waiting_decodes)  # every decode ran
+        prompt = sum(s.num_new_tokens for s in plan.scheduled if id(s.seq) not in waiting_decodes)
+        cap = max(MIN_PROMPT_TOKENS, 99 - len(decodes))
+        assert prompt <= cap
+        left = sched.num_waiting > 0 or any(s.num_computed_tokens + 1 < s.num_prompt_tokens for s in sched.running)
+        cut.append(left and prompt > cap - 8)  # prompt work left over after a step filled to its cap
+        return plan
+
+    sched.schedule = observed
+    _check("step-time-bound", engine, prompts, references)
+    assert any(cut)  # the cap really held prompt work back
+
+
 # -- the same oracle with async scheduling (overlap.py): step N+1 planned while step N's forward runs ---------
 @pytest.mark.parametrize("variant", ["batch", "chunked", "recompute", "swap"])
 def test_async_scheduling(demo_kit, prompts, references, variant):

@@ -16,7 +16,8 @@ from services.common.lora_format import content_id
 from services.engine.config import ConfigError, EngineConfig, SpeculativeConfig
 from services.engine.engine import LLMEngine
 from services.engine.sequence import AdapterRef, SamplingParams
-from services.engine.spec.controller import SpecController, StepCostModel
+from services.engine.spec.controller import SpecController
+from services.engine.step_time import StepCostModel
 from services.engine.spec.drafter import NgramDrafter
 from services.engine.spec.verify import accepted_lengths, sample_rows
 from tests.engine.conftest import make_config, spec_tokens

@@ -4,7 +4,7 @@ Before each step the controller sets `seq.spec_draft` on every running sequence 
 scheduler fits those drafts into the step (scheduler._fit_draft), the forward verifies them, and the
 engine reports back what was accepted (`observe`) and what the step cost (`observe_step`).
 
-When a draft token pays: a step costs about `fixed + per_token * tokens` (fitted online, StepCostModel).
+When a draft token pays: a step costs about `fixed + per_token * tokens` (fitted online, step_time.StepCostModel).
 With n sequences decoding, an emitted token is worth the step's cost per sequence, fixed / n + per_token;
 the j-th draft token of a sequence costs per_token and is emitted with probability rate ** j. So a draft
 is extended while rate ** j >= per_token / (fixed / n + per_token): deep drafts alone in the batch (the
@@ -20,41 +20,10 @@ from services.engine.config import SpeculativeConfig
 from services.engine.sequence import Sequence
 from services.engine.spec.drafter import Drafter, make_drafter
 from services.engine.spec.payoff import PayoffTracker, bucket
+from services.engine.step_time import StepCostModel
 
 DECAY = 0.7  # weight of the past in a sequence's acceptance estimate (recent steps count most)
 PROBE_EVERY = 8  # a sequence whose estimate says "do not draft" still drafts one token this often
-
-
-class StepCostModel:
-    """Step wall time ~ fixed + per_token * tokens: exponentially weighted least squares over the steps seen,
-    starting from a prior (two pseudo-steps on the line measured on the development VM: ~2.2 ms + ~0.065 ms
-    per token) that a few dozen real steps outweigh."""
-
-    def __init__(self, fixed: float = 2.2e-3, per_token: float = 6.5e-5, decay: float = 0.99, prior_weight: float = 2.0):
-        self.decay = decay
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-        for tokens in (1.0, 64.0):
-            self._add(tokens, fixed + per_token * tokens, prior_weight)
-
-    def _add(self, tokens: float, seconds: float, weight: float) -> None:
-        self.w += weight
-        self.x += weight * tokens
-        self.y += weight * seconds
-        self.xx += weight * tokens * tokens
-        self.xy += weight * tokens * seconds
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.w, self.x, self.y, self.xx, self.xy = d * self.w, d * self.x, d * self.y, d * self.xx, d * self.xy
-        self._add(float(tokens), seconds, 1.0)
-
-    def estimate(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token), both kept positive."""
-        var = self.xx - self.x * self.x / self.w
-        slope = (self.xy - self.x * self.y / self.w) / var if var > 1e-9 else 0.0
-        slope = max(slope, 1e-7)
-        fixed = max((self.y - slope * self.x) / self.w, 1e-6)
-        return fixed, slope
 
 
 class SpecController:

@@ -1,7 +1,7 @@
 """Does speculation pay at this load? Measured, not assumed: emitted tokens per second of step, with and
 without drafts, per batch-size bucket.
 
-A cost model (controller.StepCostModel) sizes drafts, but what a draft really costs -- drafting, the extra
+A cost model (step_time.StepCostModel) sizes drafts, but what a draft really costs -- drafting, the extra
 query rows, emitting and checking several tokens -- depends on the model, the machine and the batch. So
 the controller keeps, per bucket of decoding sequences (1, 2-3, 4-7, ... ), a running rate of emitted
 tokens per step-second for decode-only steps that speculated and for steps that did not, and speculates in
