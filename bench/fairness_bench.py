@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -104,25 +105,49 @@ def _b_body(model: str, i: int) -> dict:
             "temperature": 0}
 
 
-async def noisy_neighbour(base: str, model: str, key_a: str, key_b: str, with_b: bool) -> dict:
-    limits = httpx.Limits(max_connections=A_REQUESTS + 64, max_keepalive_connections=A_REQUESTS + 64)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
-        t0 = time.perf_counter()
-        a_tasks = [asyncio.create_task(stream(c, key_a, _a_body(model, i))) for i in range(A_REQUESTS)]
-        b_results: list[Result] = []
-        if with_b:
-            await asyncio.sleep(0.5)
-            b_tasks = []
-            b_sent: list[float] = []
-            i = 0
-            while not all(t.done() for t in a_tasks):
-                b_sent.append(time.perf_counter() - t0)
-                b_tasks.append(asyncio.create_task(stream(c, key_b, _b_body(model, i))))
+def _b_client(base: str, model: str, key: str, start, a_done, out) -> None:
+    """Tenant B: a short streamed request every 1/B_RATE s from 0.5 s after A's burst until A is done. Says
+    it is ready, gets the burst's wall time, and sends back (when each was sent, seconds after A's burst;
+    the results)."""
+    async def run() -> tuple[list[float], list[Result]]:
+        async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+            out.put("ready")
+            t0_wall = start.get()
+            await asyncio.sleep(max(0.0, t0_wall + 0.5 - time.time()))
+            tasks, sent, i = [], [], 0
+            while not a_done.is_set():
+                sent.append(time.time() - t0_wall)
+                tasks.append(asyncio.create_task(stream(c, key, _b_body(model, i))))
                 i += 1
                 await asyncio.sleep(1 / B_RATE)
-            b_results = list(await asyncio.gather(*b_tasks))
+            return sent, list(await asyncio.gather(*tasks))
+
+    out.put(asyncio.run(run()))
+
+
+async def noisy_neighbour(base: str, model: str, key_a: str, key_b: str, with_b: bool) -> dict:
+    """A's burst from this process, B's requests from a process of its own: two tenants are two clients. (With
+    both in one client, B's requests queued behind A's 300 streams in that client's own event loop and
+    connection pool -- up to 3 s at the end of A's run with the gateway answering B in 12 ms.)"""
+    limits = httpx.Limits(max_connections=A_REQUESTS + 64, max_keepalive_connections=A_REQUESTS + 64)
+    ctx = multiprocessing.get_context("spawn")
+    a_done, b_start, b_out = ctx.Event(), ctx.Queue(), ctx.Queue()
+    b_proc = None
+    if with_b:
+        b_proc = ctx.Process(target=_b_client, args=(base, model, key_b, b_start, a_done, b_out), daemon=True)
+        b_proc.start()
+        assert b_out.get(timeout=120) == "ready"
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
+        b_start.put(time.time())
+        a_tasks = [asyncio.create_task(stream(c, key_a, _a_body(model, i))) for i in range(A_REQUESTS)]
         a_results = list(await asyncio.gather(*a_tasks))
+        a_done.set()
         wall = max(r.total for r in a_results)
+    b_sent: list[float] = []
+    b_results: list[Result] = []
+    if b_proc is not None:
+        b_sent, b_results = b_out.get(timeout=600)
+        b_proc.join(timeout=30)
     a_tokens = sum(r.tokens for r in a_results)
     out = {"a_ok": sum(r.ok for r in a_results), "a_tokens": a_tokens, "a_wall_s": wall, "a_tok_s": a_tokens / wall,
            "a_ttft_p50_s": pct([r.ttft for r in a_results if r.ttft is not None], 50),
