@@ -34,7 +34,7 @@ from services.gateway.api import (
     tenant_usage,
 )
 from services.gateway.security import install_security_headers
-from services.gateway.state import Gateway, build_gateway
+from services.gateway.state import Gateway, build_gateway, warm_redis_pool
 from services.gateway.static import mount_web
 
 log = logging.getLogger("mplex.gateway")
@@ -96,6 +96,7 @@ def _lifespan(settings: Settings, gateway: Gateway | None):
         gw.pricer = Pricer(gw.session_factory)
         app.state.gw = gw
         gw.meter.start()
+        await warm_redis_pool(gw.redis)
         yield
         await gw.aclose()
 

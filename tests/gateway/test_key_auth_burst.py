@@ -46,3 +46,34 @@ def test_a_burst_with_one_key_runs_one_lookup_and_a_hung_up_caller_fails_nobody(
 
     redis_client.flushdb()
     asyncio.run(main())
+
+
+def test_the_gateway_opens_its_redis_connections_before_the_first_burst(service_urls):
+    """A burst on a cold pool opens a connection per concurrent command on the event loop (seconds, under load,
+    with every request's key check and reservation waiting); the gateway opens them at start-up instead."""
+    from services.gateway.state import make_redis, warm_redis_pool
+
+    async def main():
+        redis = make_redis(service_urls.redis_url)
+        pool = redis.connection_pool
+        assert len(pool._available_connections) == 0
+        await warm_redis_pool(redis, 16)
+        warmed = len(pool._available_connections)
+        await asyncio.gather(*(redis.ping() for _ in range(16)))  # a burst of 16: served by the warm ones
+        after = len(pool._available_connections)
+        await redis.aclose()
+        return warmed, after
+
+    warmed, after = asyncio.run(main())
+    assert warmed == 16 and after == 16
+
+
+def test_a_gateway_whose_redis_is_down_still_starts():
+    from services.gateway.state import make_redis, warm_redis_pool
+
+    async def main():
+        redis = make_redis("redis://127.0.0.1:9/0")  # nothing listens on the discard port
+        await warm_redis_pool(redis, 4)  # logs, does not raise
+        await redis.aclose()
+
+    asyncio.run(main())
