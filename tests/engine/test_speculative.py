@@ -531,6 +531,9 @@ def test_draft_model_cache_follows_accepted_and_rejected_tokens(tiny_model, tiny
         cut = 4 if step % 3 == 0 else step % 3
         a.all_token_ids = a.all_token_ids + list(da[:cut]) + [(da[cut - 1] + 7) % 500 if cut < 4 else 11]
         b.all_token_ids = b.all_token_ids + [(db[0] + 1) % 500]
+        if step == 4:  # steps without drafting (k = 0, or its draft did not fit the step): several plain tokens,
+            # the first unlike its stale draft, over positions the slot had filled with draft tokens
+            a.all_token_ids = a.all_token_ids + [(da[0] + 1) % 500, da[1], 5]
     n = len(a.all_token_ids) - 1  # the last token is fed at the next proposal
     ref = fresh(a.all_token_ids, 1)[1]
     d.propose([a], [1])
