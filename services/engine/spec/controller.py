@@ -6,11 +6,11 @@ engine reports back what was accepted (`observe`) and what the step cost (`obser
 
 When a draft token pays: a step costs about `fixed + per_token * tokens` (fitted online, StepCostModel).
 With n sequences decoding, an emitted token is worth the step's cost per sequence, fixed / n + per_token;
-the j-th draft token of a sequence costs per_token (plus its drafter's measured time per drafted position:
-a draft model's forward, ~0 for prompt lookup) and is emitted with probability rate ** j. So a draft is
-extended while rate ** j >= (per_token + draft) / (fixed / n + per_token): deep drafts alone in the batch
-(the fixed cost dominates), shorter as n grows, none once the bar passes every sequence's rate -- the busy
-case costs nothing. Besides: none while requests wait for admission (their prefills need the budget) and none
+the j-th draft token of a sequence costs per_token plus its share of its drafter's measured time per drafted
+position (a draft model's batched forward, shared by the m sequences using it; ~0 for prompt lookup) and is
+emitted with probability rate ** j. So a draft is extended while rate ** j >= (per_token + draft / m) /
+(fixed / n + per_token): deep drafts alone in the batch (the fixed cost dominates), shorter as n grows, none
+once the bar passes every sequence's rate -- the busy case costs nothing. Besides: none while requests wait for admission (their prefills need the budget) and none
 from `max_running` sequences on.
 """
 from __future__ import annotations
@@ -86,14 +86,15 @@ class SpecController:
         self._step = None
         self._draft_seconds = 0.0
 
-    def threshold(self, n: int, drafter: str | None = None) -> float:
+    def threshold(self, n: int, drafter: str | None = None, users: int = 1) -> float:
         """The acceptance probability a draft token needs to pay for itself with n sequences decoding: it
-        costs a verification row and the drafter's time per position (a draft model's forward; ~0 for
-        prompt lookup), and when accepted saves an emitted token's share of a step."""
+        costs a verification row and its share of the drafter's time per position (a draft model's batched
+        forward, shared by the `users` sequences drafting with it; ~0 for prompt lookup), and when accepted
+        saves an emitted token's share of a step."""
         if not self.config.adaptive_to_load:
             return self.config.accept_threshold
         fixed, per_token = self.cost.estimate()
-        cost = per_token + self.draft_cost.get(drafter, 0.0)
+        cost = per_token + self.draft_cost.get(drafter, 0.0) / max(users, 1)
         return max(self.config.accept_threshold, cost / (fixed / n + per_token))
 
     def propose(self, running: list[Sequence], num_waiting: int, budget: int, max_model_len: int) -> int:
@@ -112,12 +113,13 @@ class SpecController:
         spare = budget - n  # tokens left beside one decode row per sequence
         asked: list[Sequence] = []
         ks: list[int] = []
-        bars: dict[str | None, float] = {}
+        users: dict[str, int] = {}
         for seq in running:
             if seq.spec_drafter is None:
                 seq.spec_drafter = cfg.drafter_for(spec_key(seq.adapter)) or ""
-            if seq.spec_drafter not in bars:
-                bars[seq.spec_drafter] = self.threshold(n, seq.spec_drafter) if seq.spec_drafter else threshold
+            users[seq.spec_drafter] = users.get(seq.spec_drafter, 0) + 1
+        bars = {name: self.threshold(n, name, count) for name, count in users.items()}
+        for seq in running:
             k = self._k(seq, bars[seq.spec_drafter], max_model_len)
             if k > 0 and spare > 0:
                 k = min(k, spare)
