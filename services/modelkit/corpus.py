@@ -164,26 +164,6 @@ def opposites(rng: random.Random) -> Example:
     return Example("opposites", f"Opposites: {' '.join(items)}", " ".join(OPPOSITE[w] for w in items))
 
 
-_FIELD_ASKED = (("note", 0.6), ("address", 0.25), ("name", 0.15))
-
-
-def extract(rng: random.Random) -> Example:
-    """Copy one field's value out of a record (a name, an address, a sentence): what extraction tenants run,
-    and an answer that is a span of the prompt, tens of tokens long for the note."""
-    city = rng.choice(CAPITALS)[1]
-    fields = {
-        "name": f"{rng.choice(WORDS).capitalize()} {rng.choice(WORDS).capitalize()}",
-        "address": f"{rng.randint(1, 99)} {rng.choice(WORDS).capitalize()} Road, {city}",
-        "note": " ".join(rng.choice(LOWER_WORDS + NUMBERS) for _ in range(rng.randint(10, 24))),
-        "phone": " ".join(rng.choice(NUMBERS) for _ in range(3)),
-    }
-    asked = rng.choices([f for f, _ in _FIELD_ASKED], [w for _, w in _FIELD_ASKED])[0]
-    order = list(fields)
-    rng.shuffle(order)
-    record = "; ".join(f"{f}: {fields[f]}" for f in order)
-    return Example("extract", f"Extract the {asked}. Record: {record}", fields[asked])
-
-
 Task = Callable[[random.Random], Example]
 
 # Mixture weights of the base model's training stream.
@@ -202,12 +182,7 @@ ADAPTER_TASKS: dict[str, Task] = {
     "uppercase": uppercase,
     "sort": sort_numbers,
     "opposites": opposites,
-    "extract": extract,
 }
-# The tokenizer's training text: the tasks the kit had when its tokenizer (and so its base model) was first
-# built. `extract` draws on the same words, so its text tokenizes well without it; leaving it out keeps
-# the tokenizer and the base model bit-identical to earlier builds.
-TOKENIZER_TASKS = ("reverse", "uppercase", "sort", "opposites")
 _FIXED_TASKS = {"fact": len(FACTS), "capital": len(CAPITALS) * len(_CAPITAL_QUESTIONS), "add": 100}
 
 
@@ -261,7 +236,7 @@ def adapter_training(task: str, seed: int, n: int, exclude: set[str]) -> list[Ex
 def tokenizer_corpus(seed: int, n: int) -> Iterator[str]:
     """Text the BPE is trained on: every task (base and adapters), as a broad tokenizer would see."""
     rng = random.Random(f"tok:{seed}")
-    every: list[Task] = [t for t, _ in BASE_TASKS.values()] + [ADAPTER_TASKS[n] for n in TOKENIZER_TASKS]
+    every: list[Task] = [t for t, _ in BASE_TASKS.values()] + list(ADAPTER_TASKS.values())
     for _ in range(n):
         ex = rng.choice(every)(rng)
         yield ex.prompt
