@@ -114,14 +114,15 @@ def main() -> None:
     refs = {n: AdapterRef(content_id(a.path), n, str(a.path)) for n, a in kit.adapters.items()}
     chosen = os.environ.get("MPLEX_BENCH_SPEC_TASKS", ",".join((*ADAPTER_TASKS, *BASE_TASKS))).split(",")
     tasks = [(t, refs[t]) for t in ADAPTER_TASKS if t in chosen] + [(t, None) for t in BASE_TASKS if t in chosen]
-    engines = {d: _engine(kit, d) for d in ("off", *sorted({d for t, _ in tasks for d in DRAFTERS[t]}))}
-    for task, ref in tasks:  # warm-up: adapters loaded, first-step costs paid
-        warm = _prompts(kit, task, 2, seed=99)
-        for d in ("off", *DRAFTERS[task]):
-            closed_loop(engines[d], warm, 2, ref)
     cells: dict[str, dict] = {}
     rows = []
     for task, ref in tasks:
+        # Fresh engines per task: the controller's measured acceptance and payoff per batch-size bucket are per
+        # engine, and a cell measures speculation on its task's traffic (not on what the task before left).
+        engines = {d: _engine(kit, d) for d in ("off", *DRAFTERS[task])}
+        warm = _prompts(kit, task, 2, seed=99)  # adapters loaded, first-step costs paid
+        for d in engines:
+            closed_loop(engines[d], warm, 2, ref)
         for conc in (*CONCURRENCY, "sat"):
             n = SATURATION if conc == "sat" else PER_CELL[conc]
             prompts = _prompts(kit, task, n, seed=1)

@@ -32,6 +32,7 @@ class ScriptedDrafter:
     NGRAM is not adaptive to load), and a point mass per proposal, as the Drafter contract asks."""
 
     name = "scripted"
+    cost_per_position = 0.0
 
     def __init__(self, refs: dict[str, list[int]], vocab: int, wrong_every: int = 3):
         self.refs, self.vocab, self.wrong_every = refs, vocab, wrong_every

@@ -26,7 +26,6 @@ from services.engine.spec.payoff import PayoffTracker, bucket
 
 DECAY = 0.7  # weight of the past in a sequence's acceptance estimate (recent steps count most)
 PROBE_EVERY = 8  # a sequence whose estimate says "do not draft" still drafts one token this often
-COST_DECAY = 0.9  # weight of the past in a drafter's measured cost per position
 
 
 class StepCostModel:
@@ -72,7 +71,6 @@ class SpecController:
         self.drafters = drafters or {}
         self.cost = StepCostModel()
         self.payoff = PayoffTracker()
-        self.draft_cost: dict[str, float] = {}  # seconds per drafted position (one batched call), per drafter
         self._draft_seconds = 0.0  # spent drafting for the step being proposed
         self._step: tuple[int, bool] | None = None  # (bucket, speculated) of the step being proposed
 
@@ -94,7 +92,8 @@ class SpecController:
         if not self.config.adaptive_to_load:
             return self.config.accept_threshold
         fixed, per_token = self.cost.estimate()
-        cost = per_token + self.draft_cost.get(drafter, 0.0) / max(users, 1)
+        d = self.drafter or self.drafters.get(drafter)
+        cost = per_token + (d.cost_per_position if d is not None else 0.0) / max(users, 1)
         return max(self.config.accept_threshold, cost / (fixed / n + per_token))
 
     def propose(self, running: list[Sequence], num_waiting: int, budget: int, max_model_len: int) -> int:
@@ -136,11 +135,7 @@ class SpecController:
             drafter = self.drafter or self.drafters[name]
             t0 = time.perf_counter()
             drafts = drafter.propose(seqs, group_ks)
-            spent = time.perf_counter() - t0
-            self._draft_seconds += spent
-            old = self.draft_cost.get(name)
-            per_position = spent / max(group_ks)
-            self.draft_cost[name] = per_position if old is None else COST_DECAY * old + (1 - COST_DECAY) * per_position
+            self._draft_seconds += time.perf_counter() - t0
             for seq, draft in zip(seqs, drafts, strict=True):
                 seq.spec_draft = draft
                 total += len(draft)

@@ -15,6 +15,7 @@ overwritten. Slots are reused least recently used first; a sequence that lost it
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,10 @@ class DraftModelDrafter:
         shape = (max_seqs * self.blocks_per_slot, BLOCK, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(cfg.num_layers)]
+        # Seconds per single-token draft forward (one batched position), decayed: what the controller charges a
+        # draft token. Catch-up forwards (new prompts) are left out: a one-off per sequence, and a spike that
+        # would price the drafter out for good (a drafter that never drafts never measures again).
+        self.cost_per_position = 0.0
         self._slots: OrderedDict[str, _Slot] = OrderedDict()  # least recently used first
         self._free = list(range(max_seqs - 1, -1, -1))
 
@@ -149,6 +154,7 @@ class DraftModelDrafter:
         one = torch.ones_like(q)
         rows = torch.arange(len(slots), device=dev)
         # Further positions: the previous draft token of every sequence still drafting, one row each.
+        t0 = time.perf_counter()
         for j in range(1, max(depth)):
             live = rows if min(depth) > j else torch.nonzero(k > j).squeeze(1)
             n = live.numel()
@@ -162,7 +168,11 @@ class DraftModelDrafter:
                 nxt[live] = self._next(token.index_select(0, live), pos, meta, rows[:n])
                 token = nxt
             steps.append(token)
-        return torch.stack(steps, 1).tolist()
+        drafts = torch.stack(steps, 1).tolist()
+        if max(depth) > 1:
+            per = (time.perf_counter() - t0) / (max(depth) - 1)
+            self.cost_per_position = per if not self.cost_per_position else 0.9 * self.cost_per_position + 0.1 * per
+        return drafts
 
     def _groups(self, token_starts, query_lens, context_lens, slot_base) -> tuple:
         """Attention groups: one-token rows through the engine's paged decode kernel (in place, when it has

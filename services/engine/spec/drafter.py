@@ -30,6 +30,7 @@ class Drafter(Protocol):
     empty tuple means no guess (the sequence decodes one token as usual)."""
 
     name: str
+    cost_per_position: float  # seconds a drafted position costs the step (0 for a drafter that runs no model)
 
     def propose(self, seqs: list[DraftRequest], ks: list[int]) -> list[tuple[int, ...]]: ...
 
@@ -47,6 +48,7 @@ class NgramDrafter:
     drafts; nothing is loaded and nothing is run on the model."""
 
     name = "ngram"
+    cost_per_position = 0.0  # a numpy search per sequence: microseconds, within the step-cost model's noise
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         assert 1 <= min_n <= max_n
