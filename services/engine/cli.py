@@ -51,8 +51,12 @@ def serve(
                                      "which follows OMP_NUM_THREADS)"),
     async_scheduling: bool = typer.Option(False, help="Schedule and build step N+1's inputs while step N's forward "
                                           "runs, post-process step N during step N+1 (token-identical outputs)"),
-    speculative: str = typer.Option("off", help="Speculative decoding: off | ngram (prompt lookup; lossless, "
-                                    "adaptive per sequence and to load)"),
+    speculative: str = typer.Option("off", help="Speculative decoding (lossless, adaptive per sequence and to load): "
+                                    "off | ngram (prompt lookup) | draft_model (a small model, "
+                                    "--speculative-draft-model) | auto (both; per base model / adapter the drafter "
+                                    "its gate verdicts chose)"),
+    speculative_draft_model: Path = typer.Option(None, help="Draft model checkpoint (same tokenizer as --model; "
+                                                 "default: the demo kit's, beside its base model)"),
     num_speculative_tokens: int = typer.Option(4, help="Most draft tokens per sequence and step"),
     speculative_max_running: int = typer.Option(32, help="No speculation from this many running sequences on"),
     skip_spec_gate: bool = typer.Option(False, help="Speculate for every model/adapter, not only where `mplex engine "
@@ -104,7 +108,7 @@ def _engine_config(options: dict, settings):
         failpoints=_failpoints(o.failpoint, settings.env),
         async_scheduling=o.async_scheduling,
         speculative=_speculative_config(settings.home, o.model, o.speculative, o.num_speculative_tokens,
-                                        o.speculative_max_running, o.skip_spec_gate),
+                                        o.speculative_max_running, o.skip_spec_gate, o.speculative_draft_model),
         parallel=ParallelConfig(tensor_parallel_size=o.tensor_parallel_size, backend=o.tp_backend,
                                 collective_timeout_s=o.tp_timeout_s),
     )
@@ -207,7 +211,7 @@ def kv_gate(
 @app.command("spec-gate")
 def spec_gate(
     model: Path = typer.Option(None, help="Checkpoint directory (default: the demo kit's base model)"),
-    method: str = typer.Option("ngram", help="The drafter to gate"),
+    method: str = typer.Option("ngram", help="The drafter to gate: ngram | draft_model | auto (both)"),
     min_gain: float = typer.Option(1.1, help="TPOT plain / speculative required (one request at a time)"),
     items: int = typer.Option(24, help="Eval items per set"),
     record: bool = typer.Option(True, help="Record the verdict `serve --speculative` reads"),
@@ -215,6 +219,7 @@ def spec_gate(
     """Measure, per eval set (base model, each adapter), whether speculation is exact and faster; record
     where it is on (services/engine/spec/gate.py). Demo kit eval sets."""
     from services.common.settings import get_settings
+    from services.engine.config import DRAFTERS
     from services.engine.kv_gate import demo_eval_sets
     from services.engine.spec.gate import check_speculation, record_verdict
     from services.modelkit import ensure_demo
@@ -224,35 +229,56 @@ def spec_gate(
     model = model or kit.base_dir
     if Path(model).resolve() != Path(kit.base_dir).resolve():
         raise typer.BadParameter("the speculative gate runs the demo kit's eval sets only", param_hint="--model")
-    result = check_speculation(model, demo_eval_sets(kit, items), method=method, min_gain=min_gain, max_items=items)
-    typer.echo(result.message)
-    if record:
-        typer.echo(f"verdict recorded: {record_verdict(settings.home, model, result)}")
+    if method not in (*DRAFTERS, "auto"):
+        raise typer.BadParameter(f"expected one of {', '.join(DRAFTERS)}, auto", param_hint="--method")
+    for m in DRAFTERS if method == "auto" else (method,):
+        result = check_speculation(model, demo_eval_sets(kit, items), method=m, min_gain=min_gain, max_items=items,
+                                   draft_model=kit.draft_dir if m == "draft_model" else None)
+        typer.echo(result.message)
+        if record:
+            typer.echo(f"verdict recorded: {record_verdict(settings.home, model, result)}")
 
 
-def _speculative_config(home: Path, model: Path, method: str, num_tokens: int, max_running: int, skip: bool):
+def _speculative_config(home: Path, model: Path, method: str, num_tokens: int, max_running: int, skip: bool,
+                        draft_model: Path | None):
     from services.engine.config import SpeculativeConfig
 
+    if method in ("draft_model", "auto") and draft_model is None:
+        draft_model = _kit_draft_model(model)
+    enabled_for, drafters = _spec_enabled_for(home, model, method, skip)
     return SpeculativeConfig(method=method, num_speculative_tokens=num_tokens, max_running=max_running,
-                             enabled_for=_spec_enabled_for(home, model, method, skip))
+                             draft_model=draft_model, enabled_for=enabled_for, drafters=drafters)
 
 
-def _spec_enabled_for(home: Path, model: Path, method: str, skip: bool) -> tuple[str, ...] | None:
-    """Speculation only where the gate measured it exact and faster; without a verdict, nowhere (logged)."""
+def _kit_draft_model(model: Path) -> Path:
+    """A demo kit's draft model lies beside its base model (modelkit/kit.py)."""
+    from services.modelkit.kit import DRAFT_DIR
+
+    draft = Path(model).parent / DRAFT_DIR
+    if not (draft / "config.json").exists():
+        raise typer.BadParameter(f"no draft model beside {model}; pass --speculative-draft-model",
+                                 param_hint="--speculative-draft-model")
+    return draft
+
+
+def _spec_enabled_for(home: Path, model: Path, method: str, skip: bool):
+    """Speculation only where the gate measured it exact and faster; without a verdict, nowhere (logged).
+    Returns (enabled keys or None for all, the per-key drafters of `auto`)."""
     if method == "off" or skip:
-        return None
+        return None, ()
     import logging
 
-    from services.engine.spec.gate import enabled_keys
+    from services.engine.spec.gate import chosen_drafters, enabled_keys
 
-    keys = enabled_keys(home, model, method)
+    log = logging.getLogger("mplex.engine")
+    chosen = chosen_drafters(home, model) if method == "auto" else None
+    keys = chosen[0] if chosen is not None else None if method == "auto" else enabled_keys(home, model, method)
     if keys is None:
-        logging.getLogger("mplex.engine").warning(
-            "--speculative %s: no gate verdict for %s, so no speculation; run `mplex engine spec-gate` "
-            "(or pass --skip-spec-gate)", method, model)
-        return ()
-    logging.getLogger("mplex.engine").info("speculative gate: on for %d of the model's base/adapters", len(keys))
-    return keys
+        log.warning("--speculative %s: no gate verdict for %s, so no speculation; run `mplex engine spec-gate` "
+                    "(or pass --skip-spec-gate)", method, model)
+        return (), ()
+    log.info("speculative gate: on for %d of the model's base/adapters", len(keys))
+    return keys, chosen[1] if chosen is not None else ()
 
 
 def _check_kv_gate(home: Path, model: Path, dtype: str, weight_dtype: str, kv_dtype: str, skip: bool) -> None:

@@ -296,6 +296,10 @@ class LoraConfig:
             raise ConfigError("max_lora_rank must be in 1..512")
 
 
+DRAFTERS = ("ngram", "draft_model")
+SPEC_METHODS = ("off",) + DRAFTERS + ("auto",)
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding (services/engine/spec/): a drafter proposes up to `num_speculative_tokens` tokens per
@@ -303,10 +307,14 @@ class SpeculativeConfig:
     sequence's draft from its measured acceptance and shrinks it as the batch fills (`max_running`: no
     speculation from that many running sequences on, nor while requests wait for admission)."""
 
-    method: str = "off"  # "off" | "ngram" (prompt lookup)
+    # "off" | "ngram" (prompt lookup) | "draft_model" (a small model, `draft_model`) | "auto" (both loaded; each
+    # base model / adapter gets its own drafter: `drafters`, else the draft model for the base and prompt
+    # lookup for adapters, whose tasks the draft model was not trained on).
+    method: str = "off"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    draft_model: Path | None = None  # HF checkpoint of the draft model; same tokenizer (vocabulary) as the target
     # A draft token at depth j is proposed while its estimated chance of acceptance (rate ** j) is at least
     # the controller's cost-model bar (spec/controller.py), and never below this floor.
     accept_threshold: float = 0.2
@@ -316,10 +324,16 @@ class SpeculativeConfig:
     adaptive_to_load: bool = True
     # Where speculation is on: "base" and adapter content ids that passed the gate (spec/gate.py); None = all.
     enabled_for: tuple[str, ...] | None = None
+    # "auto": (key, drafter) pairs the gates chose (the drafter with the higher measured gain per key).
+    drafters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram"):
-            raise ConfigError(f"speculative method must be off or ngram, got {self.method!r}")
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if self.method in ("draft_model", "auto") and self.draft_model is None:
+            raise ConfigError(f"speculative method {self.method} needs a draft_model checkpoint")
+        if any(m not in DRAFTERS for _, m in self.drafters):
+            raise ConfigError(f"speculative drafters must be {' or '.join(DRAFTERS)}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in 1..16")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
@@ -328,6 +342,20 @@ class SpeculativeConfig:
             raise ConfigError("accept_threshold must be in (0, 1)")
         if self.max_running < 1:
             raise ConfigError("max_running must be >= 1")
+
+    def drafter_for(self, key: str) -> str | None:
+        """The drafter of a sequence of the base model ("base") or an adapter (its content id); None: no
+        speculation for it."""
+        if self.method == "off" or (self.enabled_for is not None and key not in self.enabled_for):
+            return None
+        if self.method != "auto":
+            return self.method
+        return dict(self.drafters).get(key, "draft_model" if key == "base" else "ngram")
+
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        """The drafters this configuration loads."""
+        return {"off": (), "auto": DRAFTERS}.get(self.method, (self.method,))
 
     @property
     def enabled(self) -> bool:

@@ -30,6 +30,7 @@ from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams, Sequence, Status
 from services.engine.spec.controller import SpecController
+from services.engine.spec.drafter import make_drafters
 from services.engine.spec.verify import accepted_lengths
 from services.common.wire import RequestFailed, check_prompt_ids
 
@@ -150,7 +151,12 @@ class LLMEngine:
             from services.engine.overlap import OverlapStepper
 
             self.overlap = OverlapStepper(self)
-        self.spec = SpecController(config.speculative) if config.speculative.enabled else None
+        self.spec = None
+        if config.speculative.enabled:
+            drafters = make_drafters(config.speculative, vocab_size=self.model.config.vocab_size,
+                                     dtype=config.torch_dtype, device=config.device,
+                                     attention_kernel=self.runner.attention_kernel)
+            self.spec = SpecController(config.speculative, drafters=drafters)
         self._log_ready(attention_kernel, num_blocks, num_host_blocks, kv_dtype)
 
     def _log_ready(self, attention_kernel, num_blocks: int, num_host_blocks: int, kv_dtype: str) -> None:
@@ -578,6 +584,8 @@ class LLMEngine:
             s.request_id for q in self.scheduler.waiting.values() for s in q
         }
         assert live == set(self._seqs), (live, set(self._seqs))
+        if self.spec is not None:
+            self.spec.check_integrity(live)
         self.scheduler.tenants.check_integrity(self.scheduler.running,
                                                (s for q in self.scheduler.waiting.values() for s in q))
         for seq in self.scheduler.running:

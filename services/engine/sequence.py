@@ -47,6 +47,7 @@ class Sequence:
     # Speculative decoding (spec/): this step's draft (set by the controller before scheduling), the
     # request's totals, and its per-token acceptance estimate as decayed (accepted, trials) sums.
     spec_draft: tuple[int, ...] = ()
+    spec_drafter: str | None = None  # the drafter it uses (SpeculativeConfig.drafter_for; "" = none), once known
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_hits: float = 0.0

@@ -29,7 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from services.modelkit import corpus
-from services.modelkit.config import AdapterSpec, KitConfig, TrainConfig
+from services.modelkit.config import AdapterSpec, DraftSpec, KitConfig, TrainConfig
+from services.modelkit.draft import DRAFT_DIR
 from services.modelkit.evaluate import EvalItem, load_tokenizer, score, write_eval
 from services.modelkit.tokenizer import save_hf_tokenizer, special_ids, train_tokenizer
 from services.modelkit.train import encode_examples, train
@@ -103,36 +104,44 @@ def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool 
     }
     log.info("base model: loss %.3f, eval exact match %.2f", res.final_loss, base_score.exact_match)
 
-    # -- adapters ---------------------------------------------------------------------------------
+    # -- adapters and the draft model, in worker processes -------------------------------------------
     built = _build_adapters(cfg, out_dir, base_dir, progress=progress)
     manifest["adapters"] = {spec.name: built[spec.name] for spec in cfg.adapters}
+    if cfg.draft is not None:
+        manifest["draft"] = built[DRAFT_DIR]
     manifest["seconds"] = round(time.perf_counter() - t_all, 1)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
 
 
 def _build_adapters(cfg: KitConfig, out_dir: Path, base_dir: Path, *, progress: bool) -> dict[str, dict[str, Any]]:
-    """Train every adapter in `adapter_workers` worker processes; returns each one's manifest entry.
+    """Train every adapter (and the draft model, named DRAFT_DIR) in `adapter_workers` worker processes;
+    returns each one's manifest entry.
 
     Workers are plain subprocesses (`python -m services.modelkit.adapter_worker`) fed a JSON job on stdin:
     multiprocessing's spawn would re-import the caller's __main__ in each worker, and a script without a
     main guard would then build the kit again and wait forever on the kit lock its parent holds."""
-    if not cfg.adapters:
+    jobs: list[tuple[str, TrainConfig, dict[str, Any]]] = [(a.name, a.train, {"adapter": asdict(a)}) for a in cfg.adapters]
+    if cfg.draft is not None:
+        jobs.append((DRAFT_DIR, cfg.draft.train, {"draft": asdict(cfg.draft)}))
+    if not jobs:
         return {}
-    workers: list[list[AdapterSpec]] = [[] for _ in range(min(cfg.adapter_workers, len(cfg.adapters)))]
+    workers: list[list[dict[str, Any]]] = [[] for _ in range(min(cfg.adapter_workers, len(jobs)))]
     load = [0] * len(workers)
-    for spec in sorted(cfg.adapters, key=lambda a: -a.train.steps * a.train.batch_size):  # longest first
+    # Longest first (by examples trained; the draft model's steps cost about as much as an adapter's).
+    for _, train_cfg, job in sorted(jobs, key=lambda j: -j[1].steps * j[1].batch_size):
         i = load.index(min(load))
-        workers[i].append(spec)
-        load[i] += spec.train.steps * spec.train.batch_size
-    bars = {a.name: tqdm(total=a.train.steps, desc=f"adapter {a.name}", unit="step", position=i, leave=True,
-                         disable=not progress, dynamic_ncols=True) for i, a in enumerate(cfg.adapters)}
+        workers[i].append(job)
+        load[i] += train_cfg.steps * train_cfg.batch_size
+    bars = {name: tqdm(total=t.steps, desc=f"adapter {name}" if name != DRAFT_DIR else "draft model", unit="step",
+                       position=i, leave=True, disable=not progress, dynamic_ncols=True)
+            for i, (name, t, _) in enumerate(jobs)}
     events: queue.Queue = queue.Queue()
     procs = []
     try:
-        for i, specs in enumerate(workers):
+        for i, items in enumerate(workers):
             job = {"out_dir": str(out_dir), "base_dir": str(base_dir), "seed": cfg.seed, "eval_size": cfg.eval_size,
-                   "model_name": cfg.model_name, "threads": cfg.adapter_threads, "adapters": [asdict(s) for s in specs]}
+                   "model_name": cfg.model_name, "threads": cfg.adapter_threads, "items": items}
             procs.append(start_worker(job, out_dir / f".worker-{i}.log", events))
         results: dict[str, dict[str, Any]] = {}
         finished = 0
@@ -152,7 +161,7 @@ def _build_adapters(cfg: KitConfig, out_dir: Path, base_dir: Path, *, progress: 
             if proc.wait() != 0:
                 tail = log_path.read_text(errors="replace")[-4000:]
                 raise RuntimeError(f"an adapter worker failed (exit {proc.returncode}):\n{tail}")
-        missing = {a.name for a in cfg.adapters} - set(results)
+        missing = {name for name, _, _ in jobs} - set(results)
         if missing:
             raise RuntimeError(f"adapter workers finished without building {sorted(missing)}")
         for _, log_path in procs:
@@ -192,6 +201,10 @@ def start_worker(job: dict[str, Any], log_path: Path, events: queue.Queue) -> tu
 
 
 WORKER_PREFIX = b"@mplex-kit "
+
+
+def draft_from_dict(d: dict[str, Any]) -> DraftSpec:
+    return DraftSpec(num_layers=d["num_layers"], train=TrainConfig(**d["train"]))
 
 
 def spec_from_dict(d: dict[str, Any]) -> AdapterSpec:

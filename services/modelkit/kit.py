@@ -19,7 +19,9 @@ from pathlib import Path
 
 from services.modelkit.config import DEMO_CONFIG, KitConfig
 
-_SOURCES = ("adapter_worker.py", "build.py", "config.py", "corpus.py", "evaluate.py", "tokenizer.py", "train.py")
+DRAFT_DIR = "draft"  # the draft model's directory in a built kit (modelkit/draft.py writes it)
+_SOURCES = ("adapter_worker.py", "build.py", "config.py", "corpus.py", "draft.py", "evaluate.py", "tokenizer.py",
+            "train.py")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class DemoKit:
     model_name: str
     base_eval: Path
     adapters: dict[str, DemoAdapter] = field(default_factory=dict)
+    draft_dir: Path | None = None  # the speculative-decoding draft model (same tokenizer as the base)
     manifest: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -85,6 +88,7 @@ def _load(root: Path) -> DemoKit:
         model_name=manifest["model_name"],
         base_eval=root / "evals" / "base.jsonl",
         adapters=adapters,
+        draft_dir=root / DRAFT_DIR if "draft" in manifest else None,
         manifest=manifest,
     )
 

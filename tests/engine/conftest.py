@@ -28,6 +28,29 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_random(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0, max_position_embeddings=256)
 
 
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_model, tmp_path_factory) -> Path:
+    """A draft model for tiny_model (same vocabulary): a copy whose last layer writes half as much into the
+    residual stream. Its greedy guesses agree with the target's often, not always -- drafts get accepted in
+    part, and rejected."""
+    return damped_copy(tiny_model, tmp_path_factory.mktemp("tiny-draft"), scale=0.5)
+
+
+def damped_copy(model_dir: Path, out: Path, *, scale: float) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    sd = load_file(str(model_dir / "model.safetensors"))
+    last = max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
+    for k in sd:
+        if k.startswith(f"model.layers.{last}.") and k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k] = sd[k] * scale
+    save_file(sd, str(out / "model.safetensors"))
+    return out
+
+
 def make_engine(model_dir: Path, **kw) -> LLMEngine:
     torch.set_num_threads(2)
     return LLMEngine(make_config(model_dir, **kw))
@@ -56,6 +79,7 @@ def make_config(
     failpoints: tuple[tuple[str, int], ...] = (),
     async_scheduling: bool = False,
     speculative: str = "off",
+    draft_model: Path | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -71,7 +95,7 @@ def make_config(
         failpoints=failpoints,
         async_scheduling=async_scheduling,
         # Draft lengths from acceptance only: which steps speculate must not depend on this machine's speed.
-        speculative=SpeculativeConfig(method=speculative, adaptive_to_load=False),
+        speculative=SpeculativeConfig(method=speculative, adaptive_to_load=False, draft_model=draft_model),
     )
 
 

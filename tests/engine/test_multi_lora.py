@@ -378,12 +378,15 @@ def test_async_scheduling_more_adapters_than_slots_with_preemption(demo_kit, wor
     assert engine.adapters.slot_loads > len({a for a, _ in workload if a})
 
 
-def test_speculative_decoding_with_many_adapters_matches_peft(demo_kit, workload, refs_of, peft_refs):
-    """Prompt-lookup drafts verified under each row's adapter (its SGMV segment covers the draft rows), with
-    chunked prefill, prefix hits and preemption, more adapters than slots: PEFT's tokens."""
+@pytest.mark.parametrize("drafter", ["ngram", "auto"])
+def test_speculative_decoding_with_many_adapters_matches_peft(demo_kit, workload, refs_of, peft_refs, drafter):
+    """Drafts verified under each row's adapter (its SGMV segment covers the draft rows), with chunked
+    prefill, prefix hits and preemption, more adapters than slots: PEFT's tokens. `auto`: base rows draft
+    with the kit's draft model, adapter rows with prompt lookup, in the same steps."""
     need = max(len(p) + MAX_NEW for _, p in workload)
     engine = make_engine(demo_kit.base_dir, max_loras=4, max_cpu_loras=6, block_size=4, budget=24,
-                         num_blocks=need // 4 + 30, preemption_mode="recompute", speculative="ngram")
-    _check("lora-spec", engine, workload, refs_of, peft_refs)
+                         num_blocks=need // 4 + 30, preemption_mode="recompute", speculative=drafter,
+                         draft_model=demo_kit.draft_dir)
+    _check(f"lora-spec-{drafter}", engine, workload, refs_of, peft_refs)
     assert spec_tokens(engine, "accepted") > 0
     assert engine.scheduler.num_preemptions > 0

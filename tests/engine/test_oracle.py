@@ -209,32 +209,34 @@ def test_split_path_recompute_from_a_tiny_kv_pool(demo_kit, prompts, references)
     assert core["preemptions"] > 0 and core["swap_out_blocks"] == 0
 
 
-# -- speculative decoding (prompt lookup): drafts verified in the step, the same oracle ------------------------
+# -- speculative decoding (prompt lookup, the kit's draft model): drafts verified in the step, the same oracle --
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("path", ["batch", "chunked", "preempt", "swap"])
-def test_speculative_decoding_matches_the_oracle(demo_kit, prompts, references, path):
+def test_speculative_decoding_matches_the_oracle(demo_kit, prompts, references, path, drafter):
     need = max(len(p) + MAX_NEW for p in prompts)
     kw = {"batch": {}, "chunked": dict(block_size=4, budget=7),
           "preempt": dict(block_size=4, num_blocks=need // 4 + 12, budget=64, preemption_mode="recompute"),
           "swap": dict(block_size=4, num_blocks=need // 4 + 12, budget=32, preemption_mode="swap")}[path]
-    engine = make_engine(demo_kit.base_dir, speculative="ngram", **kw)
-    _check(f"spec-{path}", engine, prompts, references)
+    engine = make_engine(demo_kit.base_dir, speculative=drafter, draft_model=demo_kit.draft_dir, **kw)
+    _check(f"spec-{drafter}-{path}", engine, prompts, references)
     assert spec_tokens(engine, "accepted") > 0  # drafts were verified and accepted, not just proposed
     if path in ("preempt", "swap"):
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_speculative_decoding_with_prefix_hits(demo_kit, hf_model):
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_speculative_decoding_with_prefix_hits(demo_kit, hf_model, drafter):
     builder = PromptBuilder(demo_kit.base_dir)
     qs = ["Repeat: red blue green", "Hello", "Repeat: 1 2 3 4 5 6", "What is the capital of France?"]
     prompts = [builder.chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in qs]
     refs = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
-    engine = make_engine(demo_kit.base_dir, block_size=8, speculative="ngram")
-    _check("spec-prefix-warm", engine, prompts[:1], refs[:1], prefix="w")
+    engine = make_engine(demo_kit.base_dir, block_size=8, speculative=drafter, draft_model=demo_kit.draft_dir)
+    _check(f"spec-{drafter}-prefix-warm", engine, prompts[:1], refs[:1], prefix="w")
     hits_before = engine.metrics.prefix_hit_tokens._value.get()
-    _check("spec-prefix", engine, prompts, refs)
+    _check(f"spec-{drafter}-prefix", engine, prompts, refs)
     assert engine.metrics.prefix_hit_tokens._value.get() - hits_before >= 3 * 8
-    # Drafts were verified beside the prefix-hit rows (the base model's short answers after this system
-    # prompt reject them: the rejection path, with the oracle's tokens).
+    # Drafts were verified beside the prefix-hit rows (prompt lookup's are mostly rejected after this system
+    # prompt: the rejection path, with the oracle's tokens).
     assert spec_tokens(engine, "draft") > 0
 
 

@@ -33,6 +33,7 @@ class ScriptedDrafter:
     NGRAM is not adaptive to load), and a point mass per proposal, as the Drafter contract asks."""
 
     name = "scripted"
+    cost_per_position = 0.0
 
     def __init__(self, refs: dict[str, list[int]], vocab: int, wrong_every: int = 3):
         self.refs, self.vocab, self.wrong_every = refs, vocab, wrong_every
@@ -199,6 +200,17 @@ def test_config_is_validated():
         SpeculativeConfig(method="ngram", num_speculative_tokens=0)
     with pytest.raises(ConfigError):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ConfigError):
+        SpeculativeConfig(method="draft_model")  # no checkpoint
+    with pytest.raises(ConfigError):
+        SpeculativeConfig(method="auto", draft_model="d", drafters=(("base", "eagle"),))
+    # Each sequence's drafter: auto routes the base model to the draft model and adapters to prompt lookup
+    # unless the gates chose otherwise; enabled_for still turns speculation off per key.
+    auto = SpeculativeConfig(method="auto", draft_model="d", drafters=(("cid-b", "draft_model"),))
+    assert [auto.drafter_for(k) for k in ("base", "cid-a", "cid-b")] == ["draft_model", "ngram", "draft_model"]
+    gated = dataclasses.replace(auto, enabled_for=("cid-a",))
+    assert [gated.drafter_for(k) for k in ("base", "cid-a")] == [None, "ngram"]
+    assert SpeculativeConfig(method="ngram").drafter_for("base") == "ngram" and auto.drafter_names == ("ngram", "draft_model")
 
 
 # -- greedy: identical to plain decoding on every scheduler path -------------------------------------
@@ -305,21 +317,22 @@ def test_stop_strings_inside_an_accepted_draft(tiny_model):
         assert len(spec2[r["id"]]["tokens"]) < 40
 
 
-def test_sampled_distribution_is_the_same_with_and_without_speculation(tiny_model):
+def test_sampled_distribution_is_the_same_with_and_without_speculation(tiny_model, tiny_draft):
     """Chi-square homogeneity test on the four sampled tokens (top-k 3 keeps the cells few) of
     many unseeded requests with one prompt: plain decoding vs speculation whose drafts are the plain
-    greedy continuation (accepted often, rejected often). Different seeds per run, so equality of the
-    samples is not what is tested -- their distribution is."""
+    greedy continuation (accepted often, rejected often), and vs the draft model's. Different seeds per
+    run, so equality of the samples is not what is tested -- their distribution is."""
     prompt = [5, 9, 31, 7, 44, 5, 9]
     n = 800
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
     config = make_config(tiny_model, max_seqs=n)
     greedy_ref = run(LLMEngine(config), [{"id": "g", "prompt": prompt, "params": greedy(4)}])["g"]["tokens"]
 
-    def sample(spec: bool, seed: int) -> Counter:
-        cfg = dataclasses.replace(spec_config(config, max_running=10 * n) if spec else config, seed=seed)
+    def sample(spec: str | None, seed: int) -> Counter:
+        kw = dict(method="draft_model", draft_model=tiny_draft) if spec == "draft_model" else {}
+        cfg = dataclasses.replace(spec_config(config, max_running=10 * n, **kw) if spec else config, seed=seed)
         engine = LLMEngine(cfg)
-        if spec:
+        if spec == "scripted":
             engine.spec.drafter = ScriptedDrafter({f"q{i}": greedy_ref for i in range(n)}, 0, wrong_every=10**9)
         res = run(engine, [{"id": f"q{i}", "prompt": prompt, "params": params} for i in range(n)])
         if spec:
@@ -329,16 +342,17 @@ def test_sampled_distribution_is_the_same_with_and_without_speculation(tiny_mode
         assert all(len(v["tokens"]) == 4 for v in res.values())
         return Counter(tuple(v["tokens"]) for v in res.values())
 
-    a, b = sample(False, 1), sample(True, 2)
-    cells = sorted(set(a) | set(b), key=lambda c: -(a[c] + b[c]))
-    common = [c for c in cells if a[c] + b[c] >= 10]
-    table = [[a[c] for c in common] + [sum(a[c] for c in cells if c not in common)],
-             [b[c] for c in common] + [sum(b[c] for c in cells if c not in common)]]
-    if table[0][-1] + table[1][-1] == 0:
-        table = [row[:-1] for row in table]
-    assert len(common) >= 5
-    _, pvalue = chi2_contingency(table)
-    assert pvalue > 0.001, (pvalue, table)
+    a, b = sample(None, 1), sample("scripted", 2)
+    for other in (b, sample("draft_model", 3)):
+        cells = sorted(set(a) | set(other), key=lambda c: -(a[c] + other[c]))
+        common = [c for c in cells if a[c] + other[c] >= 10]
+        table = [[a[c] for c in common] + [sum(a[c] for c in cells if c not in common)],
+                 [other[c] for c in common] + [sum(other[c] for c in cells if c not in common)]]
+        if table[0][-1] + table[1][-1] == 0:
+            table = [row[:-1] for row in table]
+        assert len(common) >= 5
+        _, pvalue = chi2_contingency(table)
+        assert pvalue > 0.001, (pvalue, table)
     # The test can fail: against a distribution tilted towards the greedy path, it rejects.
     tilted = Counter(b)
     tilted[tuple(greedy_ref)] += n // 4
@@ -409,7 +423,7 @@ def test_gate_turns_speculation_on_only_where_it_passed(tiny_model, tmp_path):
     reached the bar; an engine speculates only for those. (The gain itself is a timing: the test sets the
     bar at 0 and at an unreachable value, and asserts the bookkeeping, not the speed.)"""
     from services.engine.kv_gate import KvEvalSet
-    from services.engine.spec.gate import check_speculation, enabled_keys, record_verdict
+    from services.engine.spec.gate import check_speculation, chosen_drafters, enabled_keys, record_verdict
 
     span = [21, 34, 55, 89, 144, 233, 377, 61]
     sets = [KvEvalSet("base", [span * 3 + [i] for i in range(3)])]
@@ -419,6 +433,14 @@ def test_gate_turns_speculation_on_only_where_it_passed(tiny_model, tmp_path):
     assert enabled_keys(tmp_path, tiny_model, "ngram") is None
     record_verdict(tmp_path, tiny_model, ok)
     assert enabled_keys(tmp_path, tiny_model, "ngram") == ("base",)
+    # --speculative auto: per key, the drafter whose verdict passed with the higher gain.
+    assert chosen_drafters(tmp_path / "none", tiny_model) is None
+    assert chosen_drafters(tmp_path, tiny_model) == (("base",), (("base", "ngram"),))
+    gain = ok.per_set["base"]["gain"]
+    better = dataclasses.replace(ok, method="draft_model", per_set={
+        "base": {**ok.per_set["base"], "gain": gain + 1}, "a1": {**ok.per_set["base"], "key": "cid1", "passed": False}})
+    record_verdict(tmp_path, tiny_model, better)
+    assert chosen_drafters(tmp_path, tiny_model) == (("base",), (("base", "draft_model"),))
     # enabled_for without "base": base rows never draft.
     engine = LLMEngine(spec_config(make_config(tiny_model), enabled_for=("some-adapter-content-id",)))
     res = run(engine, [{"id": "x", "prompt": span * 4, "params": greedy(20)}])
@@ -455,3 +477,126 @@ def test_split_path_multi_token_deltas_keep_stops_and_usage(tiny_model):
         assert o.new_token_ids == p["tokens"] and o.new_text == p["text"], r["id"]
         assert o.finish_reason == p["last"].finish_reason
         assert o.num_output_tokens == len(o.new_token_ids)
+
+
+# -- the draft-model drafter (spec/draft_model.py) -----------------------------------------------------
+def draft_config(config: EngineConfig, draft, **kw) -> EngineConfig:
+    return spec_config(config, method="draft_model", draft_model=draft, **kw)
+
+
+def compare_draft_model(config: EngineConfig, draft, requests: list[dict]) -> tuple[LLMEngine, dict]:
+    """The real draft model drafting: outputs identical to plain decoding's, drafts accepted in part."""
+    plain = run(LLMEngine(config), requests)
+    engine = LLMEngine(draft_config(config, draft))
+    spec = run(engine, requests)
+    for rid in plain:
+        assert spec[rid]["tokens"] == plain[rid]["tokens"], rid
+        assert spec[rid]["text"] == plain[rid]["text"]
+    drafted = sum(v["last"].num_draft_tokens for v in spec.values())
+    accepted = sum(v["last"].num_accepted_tokens for v in spec.values())
+    assert drafted >= 20 and 0 < accepted < drafted, (drafted, accepted)
+    assert not engine.spec.drafters["draft_model"]._slots  # every finished request's slot given back
+    return engine, spec
+
+
+class _Seq:
+    def __init__(self, rid, ids):
+        self.request_id, self.all_token_ids = rid, ids
+
+
+def test_draft_model_cache_follows_accepted_and_rejected_tokens(tiny_model, tiny_draft):
+    """The draft model's own KV: after drafts partly accepted, fully accepted, and a slot lost to another
+    sequence, its proposals and the K/V its slot holds are those of a drafter that computed the sequence's
+    tokens from scratch."""
+    from services.engine.spec.draft_model import BLOCK, DraftModelDrafter
+
+    def drafter(slots):
+        return DraftModelDrafter(tiny_draft, vocab_size=512, max_seqs=slots, dtype=torch.float32, device="cpu")
+
+    def fresh(ids, k):
+        d = drafter(1)
+        return d.propose([_Seq("x", list(ids))], [k])[0], d
+
+    def slot_kv(d, rid, n):
+        base = d._slots[rid].index * d.blocks_per_slot * BLOCK
+        return d.caches[0].k.view(-1, *d.caches[0].k.shape[2:])[base : base + n]
+
+    d = drafter(2)
+    rng = random.Random(0)
+    a = _Seq("a", [rng.randrange(3, 500) for _ in range(37)])
+    b = _Seq("b", [rng.randrange(3, 500) for _ in range(5)])
+    for step in range(8):
+        da, db = d.propose([a, b], [4, 2 + step % 3])
+        assert len(da) == 4 and len(db) == 2 + step % 3
+        assert da == fresh(a.all_token_ids, 4)[0] and db == fresh(b.all_token_ids, 2 + step % 3)[0]
+        # a accepts part of its draft (all of it every third step), then a token of its own; b rejects it all.
+        cut = 4 if step % 3 == 0 else step % 3
+        a.all_token_ids = a.all_token_ids + list(da[:cut]) + [(da[cut - 1] + 7) % 500 if cut < 4 else 11]
+        b.all_token_ids = b.all_token_ids + [(db[0] + 1) % 500]
+        if step == 4:  # steps without drafting (k = 0, or its draft did not fit the step): several plain tokens,
+            # the first unlike its stale draft, over positions the slot had filled with draft tokens
+            a.all_token_ids = a.all_token_ids + [(da[0] + 1) % 500, da[1], 5]
+    n = len(a.all_token_ids) - 1  # the last token is fed at the next proposal
+    ref = fresh(a.all_token_ids, 1)[1]
+    d.propose([a], [1])
+    assert torch.allclose(slot_kv(d, "a", n), slot_kv(ref, "x", n), atol=1e-5)
+    # A third sequence takes the least recently used slot (b's); b is prefilled again when it next drafts.
+    c = _Seq("c", [rng.randrange(3, 500) for _ in range(9)])
+    assert d.propose([c], [3]) == [fresh(c.all_token_ids, 3)[0]] and "b" not in d._slots
+    assert d.propose([b], [3]) == [fresh(b.all_token_ids, 3)[0]]
+    d.forget("c"), d.forget("b"), d.forget("a")
+    assert not d._slots and sorted(d._free) == [0, 1]
+
+
+def test_greedy_identical_with_the_draft_model_on_adapter_rows(tiny_model, tiny_draft, tmp_path):
+    """The real draft-model drafter, adapter rows verified under their adapter beside base rows, outputs
+    identical. (Its scheduler paths -- batch, chunked prefill, recompute, swap, prefix hits -- are in the
+    oracle suite with the kit's draft model, test_oracle.py.)"""
+    from services.modelkit import make_random_adapter
+
+    refs = [AdapterRef(content_id(p), f"a{i}", str(p)) for i, p in enumerate(
+        make_random_adapter(tiny_model, tmp_path / f"a{i}", rank=4, target_modules=["q_proj", "down_proj"], seed=i)
+        for i in range(3))]
+    reqs = [{"id": f"d{i}", "prompt": p, "params": greedy(40), "adapter": refs[i % 4] if i % 4 < 3 else None}
+            for i, p in enumerate(prompts(12, seed=10))]
+    compare_draft_model(make_config(tiny_model, max_loras=4), tiny_draft, reqs)
+
+
+def test_draft_model_seeded_sampling_identical(tiny_model, tiny_draft):
+    """Seeded sampling with top-k / top-p / min_tokens: greedy drafts are point masses, so the verification
+    keeps every emitted token the plain run's."""
+    reqs = [{"id": f"s{i}", "prompt": p, "params": SamplingParams(
+        max_tokens=24, temperature=[0.5, 1.0][i % 2], seed=7 + i, top_k=[0, 10][i % 2], top_p=[1.0, 0.9][i // 2 % 2],
+        min_tokens=i % 5, ignore_eos=True)} for i, p in enumerate(prompts(10, seed=11))]
+    compare_draft_model(make_config(tiny_model), tiny_draft, reqs)
+
+
+def test_auto_gives_each_sequence_its_drafter_and_aborts_free_the_draft_slot(tiny_model, tiny_draft, tmp_path):
+    """--speculative auto: base rows draft with the draft model, adapter rows with prompt lookup (one batched
+    call per drafter), outputs identical; an aborted request's draft slot is given back."""
+    from services.modelkit import make_random_adapter
+
+    path = make_random_adapter(tiny_model, tmp_path / "ad", rank=4, target_modules=["q_proj"], seed=3)
+    ref = AdapterRef(content_id(path), "ad", str(path))
+    span = [21, 34, 55, 89, 144, 233, 377, 61]
+    reqs = [{"id": f"m{i}", "prompt": (span * 3 + [40 + i]) if i % 2 else prompts(6, seed=12)[i], "params": greedy(30),
+             "adapter": ref if i % 2 else None} for i in range(6)]
+    config = make_config(tiny_model)
+    plain = run(LLMEngine(config), reqs)
+    engine = LLMEngine(spec_config(config, method="auto", draft_model=tiny_draft))
+    engine.add_request("gone", prompts(1, seed=13)[0], greedy(30))
+    for _ in range(3):
+        engine.step()
+    assert "gone" in engine.spec.drafters["draft_model"]._slots
+    engine.abort_request("gone")
+    assert "gone" not in engine.spec.drafters["draft_model"]._slots
+    used = {name: set() for name in engine.spec.drafters}
+    for name, d in engine.spec.drafters.items():  # the real drafters, looked at: who drafted for whom
+        def recording(seqs, ks, name=name, propose=d.propose):
+            used[name].update(s.request_id for s in seqs)
+            return propose(seqs, ks)
+        d.propose = recording
+    spec = run(engine, reqs)
+    assert {k: v["tokens"] for k, v in spec.items()} == {k: v["tokens"] for k, v in plain.items()}
+    assert used == {"draft_model": {r["id"] for r in reqs if not r["adapter"]}, "ngram": {r["id"] for r in reqs if r["adapter"]}}
+    assert all(v["last"].num_draft_tokens > 0 for v in spec.values())

@@ -6,19 +6,22 @@ engine reports back what was accepted (`observe`) and what the step cost (`obser
 
 When a draft token pays: a step costs about `fixed + per_token * tokens` (fitted online, step_time.StepCostModel).
 With n sequences decoding, an emitted token is worth the step's cost per sequence, fixed / n + per_token;
-the j-th draft token of a sequence costs per_token and is emitted with probability rate ** j. So a draft
-is extended while rate ** j >= per_token / (fixed / n + per_token): deep drafts alone in the batch (the
-fixed cost dominates), shorter as n grows, none once the bar passes every sequence's rate -- the busy case
-costs nothing. Besides: none while requests wait for admission (their prefills need the budget) and none
+the j-th draft token of a sequence costs per_token plus its share of its drafter's measured time per drafted
+position (a draft model's batched forward, shared by the m sequences using it; ~0 for prompt lookup) and is
+emitted with probability rate ** j. So a draft is extended while rate ** j >= (per_token + draft / m) /
+(fixed / n + per_token): deep drafts alone in the batch (the fixed cost dominates), shorter as n grows, none
+once the bar passes every sequence's rate -- the busy case costs nothing. Besides: none while requests wait for admission (their prefills need the budget) and none
 from `max_running` sequences on.
 """
 from __future__ import annotations
 
 import math
+import time
 
 from services.engine.config import SpeculativeConfig
 from services.engine.sequence import Sequence
-from services.engine.spec.drafter import Drafter, make_drafter
+from services.engine.spec.drafter import Drafter
+from services.engine.spec.gate import spec_key
 from services.engine.spec.payoff import PayoffTracker, bucket
 from services.engine.step_time import StepCostModel
 
@@ -27,26 +30,40 @@ PROBE_EVERY = 8  # a sequence whose estimate says "do not draft" still drafts on
 
 
 class SpecController:
-    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None):
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None, *,
+                 drafters: dict[str, Drafter] | None = None):
+        """`drafters` by name (drafter.make_drafters), each sequence using the one its model/adapter is
+        configured with (SpeculativeConfig.drafter_for); `drafter`, when set, drafts for every sequence
+        (tests script one)."""
         self.config = config
-        self.drafter = drafter or make_drafter(config)
+        self.drafter = drafter
+        self.drafters = drafters or {}
         self.cost = StepCostModel()
         self.payoff = PayoffTracker()
+        self._draft_seconds = 0.0  # spent drafting for the step being proposed
         self._step: tuple[int, bool] | None = None  # (bucket, speculated) of the step being proposed
 
     def observe_step(self, tokens: int, seconds: float, emitted: int, decode_only: bool) -> None:
-        """The step's computed tokens, wall time (drafting and output handling included) and emitted tokens."""
-        self.cost.observe(tokens, seconds)
+        """The step's computed tokens, wall time (drafting and output handling included) and emitted tokens.
+        The step-cost model gets the time without drafting (a drafter's cost is kept apart, per drafter);
+        the payoff tracker gets all of it."""
+        self.cost.observe(tokens, seconds - self._draft_seconds)
         if self._step is not None and decode_only:
             self.payoff.observe(*self._step, emitted, seconds)
         self._step = None
+        self._draft_seconds = 0.0
 
-    def threshold(self, n: int) -> float:
-        """The acceptance probability a draft token needs to pay for itself with n sequences decoding."""
+    def threshold(self, n: int, drafter: str | None = None, users: int = 1) -> float:
+        """The acceptance probability a draft token needs to pay for itself with n sequences decoding: it
+        costs a verification row and its share of the drafter's time per position (a draft model's batched
+        forward, shared by the `users` sequences drafting with it; ~0 for prompt lookup), and when accepted
+        saves an emitted token's share of a step."""
         if not self.config.adaptive_to_load:
             return self.config.accept_threshold
         fixed, per_token = self.cost.estimate()
-        return max(self.config.accept_threshold, per_token / (fixed / n + per_token))
+        d = self.drafter or self.drafters.get(drafter)
+        cost = per_token + (d.cost_per_position if d is not None else 0.0) / max(users, 1)
+        return max(self.config.accept_threshold, cost / (fixed / n + per_token))
 
     def propose(self, running: list[Sequence], num_waiting: int, budget: int, max_model_len: int) -> int:
         """Set this step's draft of every running sequence; returns the number of draft tokens proposed."""
@@ -64,16 +81,31 @@ class SpecController:
         spare = budget - n  # tokens left beside one decode row per sequence
         asked: list[Sequence] = []
         ks: list[int] = []
+        users: dict[str, int] = {}
         for seq in running:
-            k = self._k(seq, threshold, max_model_len)
+            if seq.spec_drafter is None:
+                seq.spec_drafter = cfg.drafter_for(spec_key(seq.adapter)) or ""
+            users[seq.spec_drafter] = users.get(seq.spec_drafter, 0) + 1
+        bars = {name: self.threshold(n, name, count) for name, count in users.items()}
+        for seq in running:
+            k = self._k(seq, bars[seq.spec_drafter], max_model_len)
             if k > 0 and spare > 0:
                 k = min(k, spare)
                 spare -= k
                 asked.append(seq)
                 ks.append(k)
         total = 0
-        if asked:
-            for seq, draft in zip(asked, self.drafter.propose(asked, ks), strict=True):
+        by_drafter: dict[str, tuple[list[Sequence], list[int]]] = {}
+        for seq, k in zip(asked, ks):
+            group = by_drafter.setdefault(seq.spec_drafter, ([], []))
+            group[0].append(seq)
+            group[1].append(k)
+        for name, (seqs, group_ks) in by_drafter.items():  # one batched call per drafter
+            drafter = self.drafter or self.drafters[name]
+            t0 = time.perf_counter()
+            drafts = drafter.propose(seqs, group_ks)
+            self._draft_seconds += time.perf_counter() - t0
+            for seq, draft in zip(seqs, drafts, strict=True):
                 seq.spec_draft = draft
                 total += len(draft)
         self._step = (b, total > 0)
@@ -85,8 +117,7 @@ class SpecController:
         p = seq.params
         if seq.num_tokens - seq.num_computed_tokens != 1 or seq.matcher is not None:
             return 0  # mid-prefill; or constrained output, whose grammar would need a mask per draft position
-        allowed = self.config.enabled_for
-        if allowed is not None and (seq.adapter.content_id if seq.adapter else "base") not in allowed:
+        if not seq.spec_drafter:
             return 0  # the gate (spec/gate.py) did not find speculation exact and worth it for this model/adapter
         cap = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                   max_model_len - seq.num_tokens)
@@ -115,8 +146,14 @@ class SpecController:
         seq.spec_hits = DECAY * seq.spec_hits + accepted
         seq.spec_trials = DECAY * seq.spec_trials + accepted + (accepted < drafted)
 
+    def check_integrity(self, live: set[str]) -> None:
+        for drafter in self.drafters.values():
+            drafter.check_integrity(live)
+
     def forget(self, request_id: str) -> None:
-        self.drafter.forget(request_id)
+        for drafter in (self.drafter, *self.drafters.values()):
+            if drafter is not None:
+                drafter.forget(request_id)
 
 
 def acceptance_rate(seq: Sequence) -> float:

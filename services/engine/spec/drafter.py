@@ -1,7 +1,8 @@
 """Drafters: cheap guesses of a sequence's next tokens, verified by the target model in the next forward.
 
-Every drafter answers one call for the whole batch (a draft model would run one batched forward); the
-n-gram drafter searches each sequence's own tokens, one vectorised search per sequence.
+Every drafter answers one call for the whole batch: the n-gram drafter searches each sequence's own tokens,
+one vectorised search per sequence; the draft-model drafter (draft_model.py) runs batched forwards of a
+small model.
 """
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ class Drafter(Protocol):
     empty tuple means no guess (the sequence decodes one token as usual)."""
 
     name: str
+    cost_per_position: float  # seconds a drafted position costs the step (0 for a drafter that runs no model)
 
     def propose(self, seqs: list[DraftRequest], ks: list[int]) -> list[tuple[int, ...]]: ...
 
     def forget(self, request_id: str) -> None:
         """The request left the engine: drop anything kept for it."""
+
+    def check_integrity(self, live: set[str]) -> None:
+        """Asserts that what it keeps is consistent and held only for requests still in the engine."""
 
 
 class NgramDrafter:
@@ -43,6 +48,7 @@ class NgramDrafter:
     drafts; nothing is loaded and nothing is run on the model."""
 
     name = "ngram"
+    cost_per_position = 0.0  # a numpy search per sequence: microseconds, within the step-cost model's noise
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         assert 1 <= min_n <= max_n
@@ -54,6 +60,9 @@ class NgramDrafter:
 
     def forget(self, request_id: str) -> None:
         self._arrays.pop(request_id, None)
+
+    def check_integrity(self, live: set[str]) -> None:
+        assert set(self._arrays) <= live, set(self._arrays) - live
 
     def _tokens(self, seq: DraftRequest) -> np.ndarray:
         """The sequence's tokens as an array, appending only what is new since the last call (a preempted
@@ -89,7 +98,18 @@ class NgramDrafter:
         start = int(cand[np.flatnonzero(length == best)[-1]]) + 1  # the latest of the longest matches
         return tuple(t[start : start + k].tolist())
 
-def make_drafter(config: SpeculativeConfig) -> Drafter:
-    if config.method == "ngram":
-        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"no drafter for speculative method {config.method!r}")
+def make_drafters(config: SpeculativeConfig, *, vocab_size: int, dtype, device: str,
+                  attention_kernel=None) -> dict[str, Drafter]:
+    """The drafters a configuration uses, by name (SpeculativeConfig.drafter_for picks one per sequence)."""
+    drafters: dict[str, Drafter] = {}
+    for name in config.drafter_names:
+        if name == "ngram":
+            drafters[name] = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif name == "draft_model":
+            from services.engine.spec.draft_model import DraftModelDrafter
+
+            drafters[name] = DraftModelDrafter(config.draft_model, vocab_size=vocab_size, max_seqs=config.max_running,
+                                               dtype=dtype, device=device, kernel=attention_kernel)
+        else:
+            raise ValueError(f"no drafter named {name!r}")
+    return drafters

@@ -54,10 +54,12 @@ class SpecGateResult:
 
 def check_speculation(model_dir: Path, eval_sets: list[KvEvalSet], *, method: str = "ngram",
                       min_gain: float = DEFAULT_MIN_GAIN, min_agreement: float = DEFAULT_MIN_AGREEMENT,
-                      max_new_tokens: int = 48, max_items: int = 24, dtype: str = "float32") -> SpecGateResult:
+                      max_new_tokens: int = 48, max_items: int = 24, dtype: str = "float32",
+                      draft_model: Path | None = None) -> SpecGateResult:
+    """Gate one drafter ("ngram" or "draft_model", with its checkpoint `draft_model`)."""
     if not eval_sets or not any(s.prompts for s in eval_sets):
         raise ValueError("the speculative gate needs at least one eval item")
-    plain, spec = (_engine(model_dir, dtype, m) for m in ("off", method))
+    plain, spec = (_engine(model_dir, dtype, m, draft_model) for m in ("off", method))
     per_set: dict[str, dict[str, Any]] = {}
     enabled: list[str] = []
     for s in eval_sets:
@@ -78,14 +80,14 @@ def check_speculation(model_dir: Path, eval_sets: list[KvEvalSet], *, method: st
                           max_new_tokens)
 
 
-def _engine(model_dir: Path, dtype: str, method: str):
+def _engine(model_dir: Path, dtype: str, method: str, draft_model: Path | None):
     from services.engine.config import CacheConfig, EngineConfig, LoraConfig, SpeculativeConfig
     from services.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model_dir=Path(model_dir), served_model_name=f"spec-gate-{method}", dtype=dtype, engine_id=f"spec-gate-{method}",
         cache=CacheConfig(memory_bytes=128 << 20), lora=LoraConfig(max_loras=4, max_cpu_loras=8),
-        speculative=SpeculativeConfig(method=method),
+        speculative=SpeculativeConfig(method=method, draft_model=draft_model if method != "off" else None),
     ))
 
 
@@ -127,6 +129,27 @@ def record_verdict(home: Path, model_dir: Path, result: SpecGateResult) -> Path:
     tmp.write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def chosen_drafters(home: Path, model_dir: Path) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]] | None:
+    """`--speculative auto`: the keys some drafter's verdict enables, and per key the drafter that passed
+    with the higher gain. None without any verdict."""
+    from services.engine.config import DRAFTERS
+
+    best: dict[str, tuple[float, str]] = {}
+    found = False
+    for method in DRAFTERS:
+        try:
+            verdict = json.loads(verdict_path(home, model_dir, method).read_text())
+        except (OSError, ValueError):
+            continue
+        found = True
+        for s in verdict["per_set"].values():
+            if s["passed"] and s["gain"] > best.get(s["key"], (0.0, ""))[0]:
+                best[s["key"]] = (s["gain"], method)
+    if not found:
+        return None
+    return tuple(best), tuple((key, method) for key, (_, method) in best.items())
 
 
 def enabled_keys(home: Path, model_dir: Path, method: str) -> tuple[str, ...] | None:
