@@ -298,6 +298,13 @@ class LoraConfig:
 
 DRAFTERS = ("ngram", "draft_model")
 SPEC_METHODS = ("off",) + DRAFTERS + ("auto",)
+SPEC_BASE_KEY = "base"
+
+
+def spec_key(adapter) -> str:
+    """What a speculation verdict enables: the base model, or an adapter by content (never by name). The gate
+    writes verdicts under these keys and the controller looks drafters up by them (SpeculativeConfig.drafter_for)."""
+    return SPEC_BASE_KEY if adapter is None else adapter.content_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +357,7 @@ class SpeculativeConfig:
             return None
         if self.method != "auto":
             return self.method
-        return dict(self.drafters).get(key, "draft_model" if key == "base" else "ngram")
+        return dict(self.drafters).get(key, "draft_model" if key == SPEC_BASE_KEY else "ngram")
 
     @property
     def drafter_names(self) -> tuple[str, ...]:

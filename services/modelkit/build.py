@@ -29,8 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from services.modelkit import corpus
-from services.modelkit.config import AdapterSpec, DraftSpec, KitConfig, TrainConfig
-from services.modelkit.draft import DRAFT_DIR
+from services.modelkit.config import DRAFT_DIR, AdapterSpec, DraftSpec, KitConfig, TrainConfig
 from services.modelkit.evaluate import EvalItem, load_tokenizer, score, write_eval
 from services.modelkit.tokenizer import save_hf_tokenizer, special_ids, train_tokenizer
 from services.modelkit.train import encode_examples, train

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from services.modelkit.corpus import ADAPTER_TASKS
 
+DRAFT_DIR = "draft"  # the draft model's directory in a built kit (modelkit/draft.py writes it)
 LORA_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from services.modelkit import corpus
-from services.modelkit.config import DraftSpec
+from services.modelkit.config import DRAFT_DIR, DraftSpec
 from services.modelkit.evaluate import EvalItem, load_tokenizer, score
-from services.modelkit.kit import DRAFT_DIR
 from services.modelkit.tokenizer import special_ids
 from services.modelkit.train import encode_examples, train
 

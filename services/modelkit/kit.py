@@ -17,9 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.modelkit.config import DEMO_CONFIG, KitConfig
-
-DRAFT_DIR = "draft"  # the draft model's directory in a built kit (modelkit/draft.py writes it)
+from services.modelkit.config import DEMO_CONFIG, DRAFT_DIR, KitConfig
 _SOURCES = ("adapter_worker.py", "build.py", "config.py", "corpus.py", "draft.py", "evaluate.py", "tokenizer.py",
             "train.py")
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 import time
 
-from services.engine.config import SpeculativeConfig
+from services.engine.config import SpeculativeConfig, spec_key
 from services.engine.sequence import Sequence
 from services.engine.spec.drafter import Drafter
-from services.engine.spec.gate import spec_key
 from services.engine.spec.payoff import PayoffTracker, bucket
 from services.engine.step_time import StepCostModel
 

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,7 +27,9 @@ import torch
 from services.engine.config import ConfigError
 from services.engine.model.attention import AttnMetadata, DecodeGroup, LayerKV, build_group
 from services.engine.model.loader import load_model
-from services.engine.spec.drafter import DraftRequest
+
+if TYPE_CHECKING:  # drafter.py builds this drafter: a runtime import back would be a cycle
+    from services.engine.spec.drafter import DraftRequest
 
 BLOCK = 16  # tokens per block of the draft cache (a slot's blocks are contiguous: no table to keep)
 LONG_ROWS = 8  # catch-up rows longer than this (new prompts) attend in a padded group of their own

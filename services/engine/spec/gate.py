@@ -17,19 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.engine.config import spec_key
 from services.engine.kv_gate import KvEvalSet, model_fingerprint, token_agreement
 
 VERDICT_DIR = "spec_gate"
 DEFAULT_MIN_GAIN = 1.1
 DEFAULT_MIN_AGREEMENT = 0.999
-BASE_KEY = "base"
-
-
-def spec_key(adapter) -> str:
-    """What a verdict enables: the base model, or an adapter by content (never by name)."""
-    return BASE_KEY if adapter is None else adapter.content_id
-
-
 @dataclass(frozen=True, slots=True)
 class SpecGateResult:
     method: str
