@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.class_yield import class_budget_cap, computes_interactive_prompt
-from services.engine.step_time import StepTimeBound
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import Admission, Tenants, WaitQueue
 from services.engine.forks import WAIT, PromptGroups
@@ -25,6 +24,7 @@ from services.engine.kv.copies import BlockCopy, CopyKind
 from services.engine.kv.manager import KVCacheManager, PrefixHit
 from services.engine.preemption import PreemptKind
 from services.engine.sequence import Priority, Sequence, Status
+from services.engine.step_time import StepTimeBound
 
 
 @dataclass(frozen=True, slots=True)
