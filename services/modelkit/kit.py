@@ -91,6 +91,16 @@ def _load(root: Path) -> DemoKit:
     )
 
 
+def load_built(root: Path | str) -> DemoKit:
+    """A kit built earlier, read as it is -- no build-key check. For a machine whose library versions differ
+    from the build's (a GPU machine running tests/cuda on a kit built on the dev VM), where ensure_demo would
+    build it all again."""
+    root = Path(root)
+    if not (root / "manifest.json").exists():
+        raise FileNotFoundError(f"no built demo kit at {root} (run `make model`)")
+    return _load(root)
+
+
 def _current(root: Path, key: str) -> bool:
     try:
         return json.loads((root / "manifest.json").read_text()).get("build_key") == key

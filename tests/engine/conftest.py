@@ -80,9 +80,11 @@ def make_config(
     async_scheduling: bool = False,
     speculative: str = "off",
     draft_model: Path | None = None,
+    device: str = "cpu",
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
+        device=device,
         dtype=dtype,
         weight_dtype=weight_dtype,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,

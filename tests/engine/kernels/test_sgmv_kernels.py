@@ -86,11 +86,13 @@ def expand_tol(dtype):
     return {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}[dtype]
 
 
-def check_case(case, dtype, backend, meta=None):
+def check_case(case, dtype, backend, meta=None, device="cpu"):
+    """The kernels on `device` (tests/cuda runs them compiled on a GPU) against the oracle on the CPU."""
     t, n, r_max, h_in, h_out, ranks, slots = case
     x, a, b, ranks, slots = make_case(t, n, r_max, h_in, h_out, ranks, slots, dtype)
-    meta = meta or build_sgmv_meta(slots)
-    v = lora_shrink(x, a, ranks, meta, backend=backend)
+    on = {k: w.to(device) for k, w in dict(x=x, a=a, b=b, ranks=ranks, slots=slots).items()}
+    meta = meta or build_sgmv_meta(on["slots"])
+    v = lora_shrink(on["x"], on["a"], on["ranks"], meta, backend=backend).cpu()
     want_v = oracle_shrink(x, clean(a), ranks, slots)
     assert v.dtype == torch.float32 and v.shape == (t, r_max)
     torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-5)
@@ -101,8 +103,9 @@ def check_case(case, dtype, backend, meta=None):
     g = torch.Generator().manual_seed(9)
     v = torch.randn(t, r_max, generator=g)
     y0 = torch.randn(t, h_out + 13, generator=g).to(dtype)
-    y = y0.clone()
-    lora_expand(v, b, ranks, meta, y, y_offset=7, backend=backend)
+    y = y0.clone().to(device)
+    lora_expand(v.to(device), on["b"], on["ranks"], meta, y, y_offset=7, backend=backend)
+    y = y.cpu()
     want_y = oracle_expand(v, clean(b), ranks, slots, y0, 7)
     rtol, atol = expand_tol(dtype)
     torch.testing.assert_close(y, want_y, rtol=rtol, atol=atol)
