@@ -47,6 +47,29 @@ def _time(fn, iters: int = 50, reps: int = 5) -> float:
     return statistics.median(out)
 
 
+def _graph_time(fn, iters: int = 20) -> float:
+    """Seconds per call with `iters` calls captured in one CUDA graph: the GPU's own time, no launch cost."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    return _time(g.replay, iters=5) / iters
+
+
+def _host_time(fn, calls: int = 200) -> float:
+    """Host seconds per call to issue fn's work (the GPU runs behind; synchronized once at the end)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return host
+
+
 def hbm_copy() -> float:
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device=CUDA)
     dst = torch.empty_like(src)
@@ -76,15 +99,18 @@ def sgmv(peak: float) -> tuple[list[list], dict]:
             lora_expand(v, b, ranks, meta, y, y_offset=h, backend=backend)
 
         t_tri = _time(lora)
+        t_gpu = _graph_time(lora)  # the kernels alone: t_tri - t_gpu is launch and wrapper cost
+        t_host = _host_time(lora)
         t_ref = _time(lambda: lora("torch"), iters=10)
-        t_base = _time(lambda: torch.mm(x, w_base.t()))
+        t_base = _graph_time(lambda: torch.mm(x, w_base.t()))
         moved = 2 * n * rank * h * 2 + t_tok * h * 2 + 2 * t_tok * h * 2  # A, B; x; y slice read + written
-        frac = moved / t_tri / peak
-        rows.append([f"T={t_tok} adapters={n} r={rank}", t_tri * 1e6, moved / t_tri / 1e9, frac, t_ref / t_tri,
-                     t_base * 1e6, t_tri / t_base])
-        figs[f"sgmv_T{t_tok}_N{n}"] = {"us": t_tri * 1e6, "gb_s": moved / t_tri / 1e9, "roofline_frac": frac,
+        frac = moved / t_gpu / peak
+        rows.append([f"T={t_tok} adapters={n} r={rank}", t_tri * 1e6, t_host * 1e6, t_gpu * 1e6, moved / t_gpu / 1e9,
+                     frac, t_ref / t_tri, t_base * 1e6, t_gpu / t_base])
+        figs[f"sgmv_T{t_tok}_N{n}"] = {"us": t_tri * 1e6, "host_us": t_host * 1e6, "graph_us": t_gpu * 1e6,
+                                       "gb_s": moved / t_gpu / 1e9, "roofline_frac": frac,
                                        "vs_torch_ref": t_ref / t_tri, "base_qkv_gemm_us": t_base * 1e6,
-                                       "lora_over_base": t_tri / t_base}
+                                       "lora_over_base": t_gpu / t_base}
     return rows, figs
 
 
@@ -105,10 +131,12 @@ def fp8() -> tuple[list[list], dict]:
         t_mm = _time(lambda: torch._scaled_mm(xq, wq.weight.t(), scale_a=one, scale_b=wq.scale.view(1, -1),
                                               out_dtype=torch.bfloat16), iters=20)
         t_lin = _time(lambda: fp8_linear(x, wq), iters=20)
+        t_lin_g = _graph_time(lambda: fp8_linear(x, wq))
         flops = 2 * m * n * k
-        rows.append([m, flops / t_bf16 / 1e12, flops / t_mm / 1e12, t_bf16 / t_mm, t_bf16 / t_lin])
+        rows.append([m, flops / t_bf16 / 1e12, flops / t_mm / 1e12, t_bf16 / t_mm, t_bf16 / t_lin, t_bf16 / t_lin_g])
         figs[f"fp8_M{m}"] = {"bf16_tflops": flops / t_bf16 / 1e12, "scaled_mm_tflops": flops / t_mm / 1e12,
-                             "scaled_mm_speedup": t_bf16 / t_mm, "fp8_linear_speedup": t_bf16 / t_lin}
+                             "scaled_mm_speedup": t_bf16 / t_mm, "fp8_linear_speedup": t_bf16 / t_lin,
+                             "fp8_linear_graph_speedup": t_bf16 / t_lin_g}
     return rows, figs
 
 
@@ -141,6 +169,8 @@ def decode_attention(peak: float) -> tuple[list[list], dict]:
             elt = 2
         t_k = _time(lambda: kern.decode(q, out, k, v, rws, ctx_lens, tables, scale=d**-0.5, window=None,
                                         k_scales=ks, v_scales=vs), iters=20)
+        t_one = _time(lambda: kern.decode(q, out, k, v, rws, ctx_lens, tables, scale=d**-0.5, window=None,
+                                          k_scales=ks, v_scales=vs, partition_tokens=ctx), iters=20)
 
         kr, vr = (k, v) if cache == "bf16" else (k.view(torch.uint8), v.view(torch.uint8))
 
@@ -153,9 +183,9 @@ def decode_attention(peak: float) -> tuple[list[list], dict]:
 
         t_g = _time(gather_sdpa, iters=5)
         moved = 2 * bsz * ctx * kvh * d * elt
-        rows.append([cache, t_k * 1e6, moved / t_k / 1e9, moved / t_k / peak, t_g / t_k])
+        rows.append([cache, t_k * 1e6, moved / t_k / 1e9, moved / t_k / peak, t_g / t_k, t_one / t_k])
         figs[f"decode_{cache}"] = {"us": t_k * 1e6, "gb_s": moved / t_k / 1e9, "roofline_frac": moved / t_k / peak,
-                                   "vs_gather_sdpa": t_g / t_k}
+                                   "vs_gather_sdpa": t_g / t_k, "vs_one_partition": t_one / t_k}
     return rows, figs
 
 
@@ -164,6 +194,39 @@ def _random_model(root: Path) -> Path:
 
     return build_tiny_random(root / "llama-0.4b", arch="llama", seed=0, hidden=2048, intermediate=5632, layers=8,
                              heads=16, kv_heads=8, vocab_size=512, max_position_embeddings=1024, init_std=0.02)
+
+
+PROFILE = os.environ.get("MPLEX_BENCH_CUDA_PROFILE", "1") == "1"
+
+
+def _profile(engine, prompts, label: str) -> None:
+    """Where a decode step's time goes: 256 sequences decoding, 12 steps under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(12):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 12
+    print(f"\n== profile, {label}: 12 decode steps of 256 sequences, {wall * 1e3:.1f} ms/step under the profiler ==")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    try:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=60))
+    except Exception as exc:  # older torch names it self_cuda_time_total
+        print(f"(device-time table unavailable: {exc!r})")
+    while engine.has_unfinished():
+        engine.step()
 
 
 def engine_e2e(root: Path) -> tuple[list[list], dict]:
@@ -184,19 +247,31 @@ def engine_e2e(root: Path) -> tuple[list[list], dict]:
         adapters.append(AdapterRef(content_id(path), f"a{i}", str(path)))
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     rows, figs = [], {}
-    for label, weight_dtype, mix in (("bf16 base", "auto", False), ("bf16 32 adapters", "auto", True),
-                                     ("fp8 base", "fp8", False), ("fp8 32 adapters", "fp8", True)):
+    runs = (("bf16 base", "auto", False, False), ("bf16 32 adapters", "auto", True, False),
+            ("fp8 base", "fp8", False, False), ("fp8 32 adapters", "fp8", True, False),
+            ("bf16 base, async", "auto", False, True), ("fp8 base, async", "fp8", False, True))
+    for label, weight_dtype, mix, overlap in runs:
         engine = LLMEngine(EngineConfig(
-            model_dir=model, device=CUDA, dtype="bfloat16", weight_dtype=weight_dtype,
+            model_dir=model, device=CUDA, dtype="bfloat16", weight_dtype=weight_dtype, async_scheduling=overlap,
             cache=CacheConfig(memory_bytes=8 * 2**30),
             scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096),
             lora=LoraConfig(max_loras=32, max_cpu_loras=32, max_lora_rank=16)))
-        engine.generate([prompts[0]], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])  # warm-up
+        # Warm-up at the run's batch sizes (a 256-row decode, a 4096-token prefill), adapters loaded.
+        warm = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"w{i}", p, warm, adapter=adapters[i % 32] if mix else None)
+        while engine.has_unfinished():
+            engine.step()
+            if engine.last_plan_empty:
+                engine.wake.wait(0.005)
+                engine.wake.clear()
+        if PROFILE and not mix and not overlap:
+            _profile(engine, prompts, label)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params, adapter=adapters[i % 32] if mix else None)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        tokens = 0
+        tokens, steps0 = 0, engine.stats.steps
         while engine.has_unfinished():
             for o in engine.step():
                 assert o.error is None, o.error
@@ -206,9 +281,9 @@ def engine_e2e(root: Path) -> tuple[list[list], dict]:
                 engine.wake.clear()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        steps = engine.stats.steps
+        steps = engine.stats.steps - steps0
         rows.append([label, tokens / wall, wall / max(1, steps) * 1e3, steps])
-        figs[f"engine_{label.replace(' ', '_')}"] = {"output_tok_s": tokens / wall, "ms_per_step": wall / steps * 1e3}
+        figs[f"engine_{label.replace(', ', '_').replace(' ', '_')}"] = {"output_tok_s": tokens / wall, "ms_per_step": wall / steps * 1e3}
         if engine.adapters is not None:
             engine.adapters.shutdown()
         del engine
@@ -247,16 +322,17 @@ def main() -> None:
     figures: dict = {"device": name, "torch": torch.__version__, "hbm_copy_tb_s": peak / 1e12}
     r, f = sgmv(peak)
     figures.update(f)
-    print(table("SGMV (Triton, bf16): one projection's LoRA for a decode step", ["case", "us", "GB/s", "of copy bw",
-                "x torch ref", "base qkv GEMM us", "LoRA / base"], r))
+    print(table("SGMV (Triton, bf16): one projection's LoRA for a decode step (graph = kernels alone, in a CUDA graph)",
+                ["case", "eager us", "host us", "graph us", "GB/s", "of copy bw", "x torch ref", "base qkv GEMM us",
+                 "LoRA / base"], r))
     r, f = fp8()
     figures.update(f)
     print(table("FP8 weights: _scaled_mm vs bf16 GEMM, K = N = 8192", ["M", "bf16 TFLOP/s", "fp8 TFLOP/s", "speedup",
-                "fp8_linear speedup"], r))
+                "fp8_linear speedup", "in a graph"], r))
     r, f = decode_attention(peak)
     figures.update(f)
     print(table("Paged decode attention (Triton): 128 seqs x 2048 ctx, 32/8 heads, d 128", ["cache", "us", "KV GB/s",
-                "of copy bw", "x gather+SDPA"], r))
+                "of copy bw", "x gather+SDPA", "x one partition"], r))
     with tempfile.TemporaryDirectory() as tmp:
         r, f = engine_e2e(Path(tmp))
     figures.update(f)
@@ -271,6 +347,7 @@ def main() -> None:
                figures["engine_bf16_base"]["output_tok_s"] / figures["hf_generate_best_tok_s"], 2.0),
         Target("engine with 32 adapters over base (bf16)",
                figures["engine_bf16_32_adapters"]["output_tok_s"] / figures["engine_bf16_base"]["output_tok_s"], 0.8),
+        Target("decode attention, fp8 cache: split over one partition", figures["decode_fp8"]["vs_one_partition"], 2.0),
     ]
     write_results("cuda", figures, targets)
 

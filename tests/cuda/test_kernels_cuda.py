@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from services.engine.kernels import build_sgmv_meta, fp8_linear, fp8_linear_ref, lora_expand, lora_shrink, quantize_fp8
 from services.engine.kernels.decode_attention import TritonDecodeAttention
 from services.engine.kernels.decode_attention_ref import paged_decode_attention_ref
-from tests.engine.kernels.test_decode_attention_triton import SENTINEL, build, cases
+from tests.engine.kernels.test_decode_attention_triton import SENTINEL, build, cases, partition
 from tests.engine.kernels.test_sgmv_kernels import CASES, DTYPES, check_case, clean, make_case, oracle_shrink
 
 CUDA = "cuda"
@@ -61,10 +61,10 @@ def _on(device, *ts):
     return [t.to(device) if t is not None else None for t in ts]
 
 
-def _check_decode(q, k, v, ks, vs, rows, ctx, tables, scale, window, tol):
+def _check_decode(q, k, v, ks, vs, rows, ctx, tables, scale, window, tol, **kw):
     qd, kd, vd, ksd, vsd, rowsd, ctxd, tablesd = _on(CUDA, q, k, v, ks, vs, rows, ctx, tables)
     out = torch.full(qd.shape, SENTINEL, dtype=q.dtype, device=CUDA)
-    KERNEL.decode(qd, out, kd, vd, rowsd, ctxd, tablesd, scale=scale, window=window, k_scales=ksd, v_scales=vsd)
+    KERNEL.decode(qd, out, kd, vd, rowsd, ctxd, tablesd, scale=scale, window=window, k_scales=ksd, v_scales=vsd, **kw)
     out = out.cpu()
     want = paged_decode_attention_ref(q, k, v, rows, ctx, tables, scale=scale, window=window, k_scales=ks, v_scales=vs)
     for r, w in want.items():
@@ -79,12 +79,14 @@ def _check_decode(q, k, v, ks, vs, rows, ctx, tables, scale, window, tol):
 def test_decode_compiled_matches_the_float64_reference(c):
     q, k, v, ks, vs, rows, ctx, tables = build(c)
     tol = 1e-5 if q.dtype == torch.float32 else 1e-2
-    _check_decode(q, k, v, ks, vs, rows, ctx, tables, 1 / math.sqrt(c["head_dim"]), c["window"], tol)
+    _check_decode(q, k, v, ks, vs, rows, ctx, tables, 1 / math.sqrt(c["head_dim"]), c["window"], tol, **partition(c))
 
 
+@pytest.mark.parametrize("part", [256, 2048])
 @pytest.mark.parametrize("cache", ["fp8", "bfloat16"])
-def test_decode_at_model_shapes(cache):
-    """head_dim 128, GQA 4, block 16, contexts up to 1,500 tokens over shuffled blocks."""
+def test_decode_at_model_shapes(cache, part):
+    """head_dim 128, GQA 4, block 16, contexts up to 1,500 tokens over shuffled blocks; split into partitions
+    of 256 tokens (the default) and in one."""
     g = torch.Generator().manual_seed(11)
     bs, kvh, group, d = 16, 4, 4, 128
     ctx = torch.tensor([1, 17, 300, 1500, 777, 64])
@@ -112,7 +114,8 @@ def test_decode_at_model_shapes(cache):
         ks = vs = None
         q = torch.randn(len(need), kvh * group, d, generator=g).bfloat16()
         tol = 1e-2
-    _check_decode(q, k, v, ks, vs, torch.arange(len(need)), ctx, tables, 1 / math.sqrt(d), None, tol)
+    _check_decode(q, k, v, ks, vs, torch.arange(len(need)), ctx, tables, 1 / math.sqrt(d), None, tol,
+                  partition_tokens=part)
 
 
 # -- FP8 weights through _scaled_mm ------------------------------------------------------------------------------
@@ -140,6 +143,17 @@ def test_fp8_scaled_mm_matches_the_definition(dtype, m):
     assert ((dq - ref).norm() / ref.norm()).item() < 0.01  # dequant path: only the output rounding
     bias = torch.randn(768, generator=g).to(dtype).to(CUDA)
     torch.testing.assert_close(fp8_linear(x, w, bias).float(), y.float() + bias.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_row_quantization_equals_torch(dtype):
+    from services.engine.kernels.fp8 import quantize_rows
+
+    x = (torch.randn(300, 4096) * torch.logspace(-3, 3, 300)[:, None]).to(dtype).to(CUDA)
+    x[7] = 0
+    q, s = quantize_rows(x)  # CUDA: the Triton kernel
+    q_t, s_t = quantize_rows(x, backend="torch")
+    assert torch.equal(s, s_t) and torch.equal(q.view(torch.uint8), q_t.view(torch.uint8))
 
 
 def test_fp8_zero_rows_stay_zero():

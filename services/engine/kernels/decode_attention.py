@@ -15,6 +15,9 @@ import torch
 from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Context tokens per program (flash-decoding's split): contexts longer than this are cut into partitions that
+# run in parallel and are merged by a second kernel; shorter ones take the one-kernel path.
+PARTITION_TOKENS = 256
 
 
 @functools.cache
@@ -50,6 +53,7 @@ class TritonDecodeAttention:
         num_threads: int = 1,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        partition_tokens: int = PARTITION_TOKENS,
     ) -> None:
         """out[rows[b]] = attention of q[rows[b]] over the first ctx_lens[b] cached tokens of sequence b.
 
@@ -57,12 +61,17 @@ class TritonDecodeAttention:
         caches [num_blocks, block_size, KVH, D] with unit inner stride, in q's dtype or float8_e4m3fn with
         k_scales, v_scales [num_blocks, KVH] fp32 (unit head stride); rows, ctx_lens [B] and tables
         [B, width] int64 on q's device, 1 <= ctx_lens[b] <= width * block_size. Block ids and rows are not
-        bounds-checked on the device (that would sync): the engine's plan makes them. num_threads is unused."""
+        bounds-checked on the device (that would sync): the engine's plan makes them. num_threads is unused.
+        partition_tokens (a positive multiple of the block size): contexts that can be longer -- by the block
+        table's width, known here without a sync -- are split into partitions of that many tokens."""
         fp8 = _check(q, out, k_cache, v_cache, rows, ctx_lens, tables, k_scales, v_scales)
+        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        if not isinstance(partition_tokens, int) or partition_tokens <= 0 or partition_tokens % block_size:
+            raise ValueError(f"partition_tokens must be a positive multiple of block_size={block_size}, "
+                             f"got {partition_tokens!r}")
         n = rows.shape[0]
         if n == 0:
             return
-        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         group = q.shape[1] // kv_heads
         interpreted = not q.is_cuda
         if interpreted and not _interpreted():
@@ -74,14 +83,25 @@ class TritonDecodeAttention:
             stride_sb = k_scales.stride(0)
         else:
             k_arg, v_arg, ks, vs, stride_sb = k_cache, v_cache, k_cache, v_cache, 0  # scales unused
-        _kernels().paged_decode_kernel[(n, kv_heads)](
-            q, dst, k_arg, v_arg, ks, vs, rows, ctx_lens, tables,
-            float(scale), int(window or 0),
+        parts = -(-tables.shape[1] * block_size // partition_tokens)
+        group_pad, d_pad = triton_next_pow2(group), triton_next_pow2(head_dim)
+        if parts > 1:
+            pm = torch.empty(n, kv_heads, parts, group_pad, dtype=torch.float32, device=q.device)
+            pl = torch.empty_like(pm)
+            pacc = torch.empty(n, kv_heads, parts, group_pad, d_pad, dtype=torch.float32, device=q.device)
+        else:
+            pm = pl = pacc = dst  # unused
+        shapes = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad)
+        _kernels().paged_decode_kernel[(n, kv_heads, parts)](
+            q, dst, k_arg, v_arg, ks, vs, rows, ctx_lens, tables, pm, pl, pacc,
+            float(scale), int(window or 0), partition_tokens,
             q.stride(0), q.stride(1), dst.stride(0), dst.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, tables.stride(0),
-            GROUP=group, GROUP_PAD=triton_next_pow2(group), HEAD_DIM=head_dim, D_PAD=triton_next_pow2(head_dim),
-            BLOCK_SIZE=block_size, FP8=fp8, HAS_WINDOW=bool(window),
+            BLOCK_SIZE=block_size, FP8=fp8, HAS_WINDOW=bool(window), SPLIT=parts > 1, **shapes,
         )
+        if parts > 1:
+            _kernels().combine_kernel[(n, kv_heads)](dst, rows, pm, pl, pacc, parts, dst.stride(0), dst.stride(1),
+                                                     **shapes)
         if dst is not out:
             sel = rows.long()
             out[sel] = dst[sel].to(out.dtype)

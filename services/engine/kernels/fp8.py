@@ -10,6 +10,7 @@ rows a batch looks up.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -154,11 +155,40 @@ def _rowwise_ok(x: torch.Tensor) -> bool:
     return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
-def _linear_scaled_mm(x2: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """FP8 x FP8 GEMM with dynamic per-token activation scales and the weight's per-channel scales."""
+def quantize_rows(x2: torch.Tensor, *, backend: Literal["auto", "torch", "triton"] = "auto"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [M, K] row-major, fp32 scales [M, 1]) with x ~ codes * scale per row; zero rows
+    stay 0. On CUDA one Triton kernel (kernels/fp8_quant_triton.py), else torch; the same arithmetic."""
+    if backend == "torch" or (backend == "auto" and not x2.is_cuda):
+        return quantize_rows_torch(x2)
+    m, k = x2.shape
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    staged = not x2.is_cuda  # the interpreter (tests): its fp8 casts are wrong, so torch casts a staged fp32 copy
+    xq = torch.empty((m, k), dtype=torch.float32 if staged else FP8_DTYPE, device=x2.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    if m:
+        _quant_kernels().quantize_rows_kernel[(m,)](x2, xq, scale, k, x2.stride(0), xq.stride(0), FP8_MAX=FP8_MAX,
+                                                    BLOCK=min(1024, max(16, 1 << (k - 1).bit_length())), STAGED=staged)
+    return (xq.to(FP8_DTYPE) if staged else xq), scale
+
+
+def quantize_rows_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x2.float()
     x_scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)  # [M, 1]; zero rows stay 0
-    xq = (x32 / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # row-major [M, K], as _scaled_mm wants
+    return (x32 / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
+
+
+@functools.cache
+def _quant_kernels():
+    from services.engine.kernels import fp8_quant_triton
+
+    return fp8_quant_triton
+
+
+def _linear_scaled_mm(x2: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """FP8 x FP8 GEMM with dynamic per-token activation scales and the weight's per-channel scales."""
+    xq, x_scale = quantize_rows(x2)  # row-major [M, K], as _scaled_mm wants
     wt = w.weight.t()  # column-major [K, N], as _scaled_mm wants for its second operand
     if _rowwise_ok(x2):
         return torch._scaled_mm(xq, wt, scale_a=x_scale, scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Compiles the SGMV kernels for CUDA targets (PTX + cubin through the bundled ptxas) without a GPU.
+"""Compiles the SGMV kernels (and, for sm_89+, the FP8 row quantization) for CUDA targets (PTX + cubin through the bundled ptxas) without a GPU.
 
 Run as a script, in a process where TRITON_INTERPRET is unset: the interpreter never type-checks
 or lowers the kernels, so this is what catches code that only breaks in the compiled path.
@@ -14,6 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from services.engine.kernels import fp8_quant_triton  # noqa: E402
 from services.engine.kernels import sgmv_triton as kernels  # noqa: E402
 
 INDEX = {"ranks_ptr": "*i32", "token_idx_ptr": "*i64", "seg_starts_ptr": "*i32", "seg_slots_ptr": "*i32"}
@@ -33,6 +34,12 @@ def expand(dtype: str, v_dtype: str, precision):
     return ASTSource(kernels.sgmv_expand_kernel, sig | {k: "constexpr" for k in consts}, consts)
 
 
+def quantize_rows(dtype: str):
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32"}
+    consts = {"FP8_MAX": 448.0, "BLOCK": 1024, "STAGED": False}
+    return ASTSource(fp8_quant_triton.quantize_rows_kernel, sig | {k: "constexpr" for k in consts}, consts)
+
+
 if __name__ == "__main__":
     target = GPUTarget("cuda", int(sys.argv[1]) if len(sys.argv) > 1 else 90, 32)
     variants = {
@@ -42,6 +49,8 @@ if __name__ == "__main__":
         "expand fp16": expand("fp16", "fp16", None),
         "expand fp32": expand("fp32", "fp32", "ieee"),
     }
+    if target.arch >= 89:  # e4m3 conversions exist from sm_89 (where the engine uses _scaled_mm)
+        variants["fp8 row quantization of bfloat16 activations (no dots)"] = quantize_rows("bf16")
     for name, src in variants.items():
         compiled = triton.compile(src, target=target)
         uses_mma = "mma" in compiled.asm["ptx"]

@@ -28,7 +28,13 @@ def cases(draw):
         block_size=block_size, ctx=ctx, window=draw(st.one_of(st.none(), st.integers(1, max(ctx) + 2))),
         cache=draw(st.sampled_from(["fp8", "fp8", "float32", "bfloat16"])), extra_rows=draw(st.integers(0, 2)),
         q_pad=draw(st.sampled_from([0, 3])), share=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+        # context partitions of 1 or 2 blocks (split + merge), or the default (one partition here)
+        part=draw(st.sampled_from([None, 1, 2])),
     )
+
+
+def partition(c) -> dict:
+    return {} if c.get("part") is None else {"partition_tokens": c["part"] * c["block_size"]}
 
 
 def build(c):
@@ -68,7 +74,7 @@ def test_decode_matches_the_float64_reference(c):
     scale = 1 / math.sqrt(c["head_dim"])
     out = torch.full(q.shape, SENTINEL, dtype=q.dtype)
     KERNEL.decode(q, out, k, v, rows, ctx, tables, scale=scale, window=c["window"], k_scales=k_scales,
-                  v_scales=v_scales)
+                  v_scales=v_scales, **partition(c))
     want = paged_decode_attention_ref(q, k, v, rows, ctx, tables, scale=scale, window=c["window"], k_scales=k_scales,
                                       v_scales=v_scales)
     tol = 1e-5 if q.dtype == torch.float32 else 1e-2  # bf16 out: one rounding of the fp32 result
@@ -135,6 +141,11 @@ def test_the_wrapper_refuses_bad_operands():
     refused("differ", ctx=ctx[:1])
     refused("contiguous", rows=torch.arange(4)[::2])
     refused("unit column stride", tables=tables.t().contiguous().t())
+    for bad in (0, 6, -4, 4.0):
+        out = torch.full(q.shape, SENTINEL, dtype=q.dtype)
+        with pytest.raises(ValueError, match="partition_tokens must be a positive multiple"):
+            KERNEL.decode(q, out, k, v, rows, ctx, tables, scale=0.3, window=None, k_scales=ks, v_scales=vs,
+                          partition_tokens=bad)
     # And the call itself works, also with no sequences.
     out = torch.zeros_like(q)
     KERNEL.decode(q, out, k, v, rows, ctx, tables, scale=0.3, window=None, k_scales=ks, v_scales=vs)
@@ -157,7 +168,7 @@ def test_the_kernel_compiles_for_cuda(arch, tmp_path):
     res = subprocess.run([sys.executable, script, str(arch)], env=env, cwd=repo, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert len(res.stdout.splitlines()) == 4
+    assert len(res.stdout.splitlines()) == 5
 
 
 def test_the_engine_decodes_through_the_triton_kernel_to_the_native_kernels_tokens(demo_kit):

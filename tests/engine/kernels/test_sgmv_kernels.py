@@ -314,5 +314,5 @@ def test_kernels_compile_for_cuda(arch, tmp_path):
     res = subprocess.run([sys.executable, script, str(arch)], env=env, cwd=repo, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
-    assert len(lines) == 5
+    assert len(lines) == (6 if arch >= 89 else 5)
     assert all("tensor cores: True" in line for line in lines if "bf16" in line or "fp16" in line)
