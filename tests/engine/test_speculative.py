@@ -183,14 +183,38 @@ def test_payoff_tracker_turns_speculation_off_where_it_loses_and_keeps_exploring
     t = PayoffTracker()
     decisions = [t.pays(3) for _ in range(2 * EXPLORE_EVERY)]
     assert decisions.count(False) == 2  # no evidence: speculate, but explore the other side
-    for _ in range(10):  # at this load, steps with drafts emit fewer tokens per second
+    for _ in range(3):  # at this load, steps with drafts emit fewer tokens per second (MIN_SAMPLES of each)
         t.observe(3, True, 10, 0.01)
         t.observe(3, False, 16, 0.01)
         t.observe(0, True, 3, 0.002)
         t.observe(0, False, 1, 0.002)
     decisions = [t.pays(3) for _ in range(2 * EXPLORE_EVERY)]
-    assert decisions.count(True) == 2  # off, exploring once in EXPLORE_EVERY steps
+    assert decisions.count(True) == 2  # off, exploring once in EXPLORE_EVERY steps (backing off: the next test)
     assert [t.pays(0) for _ in range(EXPLORE_EVERY - 1)] == [True] * (EXPLORE_EVERY - 1)
+
+
+def test_exploring_a_losing_speculation_backs_off_and_resets_when_it_wins():
+    """Each exploration that confirms the loss doubles the wait for the next (8, 16, 32, ... EXPLORE_MAX); a win
+    brings it back to every EXPLORE_EVERY-th step."""
+    from services.engine.spec.payoff import EXPLORE_EVERY, EXPLORE_MAX, PayoffTracker
+
+    t = PayoffTracker()
+    for _ in range(10):
+        t.observe(5, False, 16, 0.01)
+    gaps, last = [], 0
+    for step in range(1, 1200):
+        if t.pays(5):
+            gaps.append(step - last)
+            last = step
+            t.observe(5, True, 10, 0.01)  # the exploration loses again
+        else:
+            t.observe(5, False, 16, 0.01)
+    assert gaps[:3] == [1, 1, 1]  # no evidence about drafts yet: speculate until MIN_SAMPLES steps say otherwise
+    assert gaps[4:8] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY, EXPLORE_MAX]
+    assert set(gaps[8:]) == {EXPLORE_MAX} and len(gaps[8:]) >= 5
+    for _ in range(20):  # the load drops: drafts now win in this bucket
+        t.observe(5, True, 40, 0.01)
+    assert sum(not t.pays(5) for _ in range(2 * EXPLORE_EVERY)) == 2  # on again, the off side explored every 8th
 
 
 def test_config_is_validated():
