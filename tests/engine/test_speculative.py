@@ -176,6 +176,35 @@ def test_controller_adapts_per_sequence_and_to_load(tiny_model):
     assert len(seqs[2].spec_draft) <= 1
 
 
+def test_probes_thin_out_as_the_batch_fills(tiny_model):
+    """Sequences whose drafts never land still probe one token now and then -- every 8th step in a small batch,
+    about one probe per step over a fuller one (a probe through a draft model costs a catch-up forward)."""
+    from services.engine.spec.controller import PROBE_EVERY, PROBE_PER
+
+    engine = LLMEngine(spec_config(make_config(tiny_model), adaptive_to_load=False))
+    ctl: SpecController = engine.spec
+    ctl.drafter = ScriptedDrafter({f"s{i}": list(range(100, 200)) for i in range(64)}, 512, wrong_every=10**9)
+    seqs = [engine.add_request(f"s{i}", [5, 6, 7, 40 + i % 50], greedy(200)) for i in range(64)]
+    engine.step()
+    for seq in seqs:
+        for _ in range(6):
+            ctl.observe(seq, 4, 0)
+
+    def probes(group, steps):
+        drafted = []
+        for _ in range(steps):
+            ctl.propose(group, 0, 4096, 512)
+            drafted.append(sum(len(x.spec_draft) for x in group))
+        return drafted
+
+    small = probes(seqs[:4], 4 * PROBE_EVERY)
+    assert sum(small) == 4 * 4 and max(small) == 4  # each of the 4 probes once every PROBE_EVERY steps
+    full = seqs[:24]  # below the controller's max_running (32), where speculation is on at all
+    every = PROBE_EVERY * (24 // PROBE_PER)
+    big = probes(full, every)
+    assert every == 24 and sum(big) == 24  # each of the 24 once in `every` steps, not 3 times
+
+
 def test_payoff_tracker_turns_speculation_off_where_it_loses_and_keeps_exploring():
     from services.engine.spec.payoff import EXPLORE_EVERY, PayoffTracker, bucket
 

@@ -25,7 +25,11 @@ from services.engine.spec.payoff import PayoffTracker, bucket
 from services.engine.step_time import StepCostModel
 
 DECAY = 0.7  # weight of the past in a sequence's acceptance estimate (recent steps count most)
-PROBE_EVERY = 8  # a sequence whose estimate says "do not draft" still drafts one token this often
+# A sequence whose estimate says "do not draft" still drafts one token every PROBE_EVERY steps -- more rarely in
+# a fuller batch: every PROBE_EVERY * (n // PROBE_PER) steps with n sequences decoding, so that about one of them
+# probes per step whatever the batch. A probe through a draft model costs that sequence's catch-up forward.
+PROBE_EVERY = 8
+PROBE_PER = 8
 
 
 class SpecController:
@@ -86,8 +90,9 @@ class SpecController:
                 seq.spec_drafter = cfg.drafter_for(spec_key(seq.adapter)) or ""
             users[seq.spec_drafter] = users.get(seq.spec_drafter, 0) + 1
         bars = {name: self.threshold(n, name, count) for name, count in users.items()}
+        probe_every = PROBE_EVERY * max(1, n // PROBE_PER)
         for seq in running:
-            k = self._k(seq, bars[seq.spec_drafter], max_model_len)
+            k = self._k(seq, bars[seq.spec_drafter], max_model_len, probe_every)
             if k > 0 and spare > 0:
                 k = min(k, spare)
                 spare -= k
@@ -110,7 +115,7 @@ class SpecController:
         self._step = (b, total > 0)
         return total
 
-    def _k(self, seq: Sequence, threshold: float, max_model_len: int) -> int:
+    def _k(self, seq: Sequence, threshold: float, max_model_len: int, probe_every: int = PROBE_EVERY) -> int:
         """Draft length for one decoding sequence: the depth at which rate ** depth falls below the bar,
         capped so that a fully accepted step never passes max_tokens or the context."""
         p = seq.params
@@ -131,7 +136,7 @@ class SpecController:
             k = int(math.log(threshold) / math.log(rate))
         if k <= 0:
             seq.spec_idle_steps += 1
-            if seq.spec_idle_steps < PROBE_EVERY:
+            if seq.spec_idle_steps < probe_every:
                 return 0
             k = 1  # probe: a sequence's copy phase may start late (a quote after a preamble)
         seq.spec_idle_steps = 0
