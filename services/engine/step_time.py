@@ -12,15 +12,10 @@ same way, offline; here the fit follows the machine as it slows down, so the cap
 actually slow (on an idle machine the target allows more than the token budget). Decodes are never cut and at
 least `MIN_PROMPT_TOKENS` of prompt work still runs each step, so prefill always progresses. Outputs are
 unchanged: a prompt computed in more, smaller chunks gives the same tokens (tests/engine/test_oracle.py).
-
-The fit is trusted only near what it has seen: a step may be at most `EXTRAPOLATE` times the largest step
-observed. A line fitted on a warm-up's 50-token steps says little about a burst's first 2,048-token step on a
-machine that the burst itself has just loaded; growing steps by doubling lets each one measure the next.
 """
 from __future__ import annotations
 
 MIN_PROMPT_TOKENS = 64
-EXTRAPOLATE = 2.0  # a step may be this many times the largest step seen so far
 
 
 class StepCostModel:
@@ -61,17 +56,13 @@ class StepTimeBound:
     def __init__(self, target_s: float, cost: StepCostModel | None = None):
         self.target_s = target_s
         self.cost = cost or StepCostModel()
-        self.largest = 0  # tokens of the largest step observed
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.cost.observe(tokens, seconds)
-            self.largest = max(self.largest, tokens)
 
     def prompt_tokens(self, decode_tokens: int) -> int:
-        """Prompt tokens that fit beside `decode_tokens` of decodes (at least MIN_PROMPT_TOKENS), in a step of at
-        most EXTRAPOLATE times the largest step seen."""
+        """Prompt tokens that fit beside `decode_tokens` of decodes (at least MIN_PROMPT_TOKENS)."""
         fixed, per_token = self.cost.estimate()
         fit = int((self.target_s - fixed) / per_token) - decode_tokens
-        seen = int(EXTRAPOLATE * max(self.largest, MIN_PROMPT_TOKENS)) - decode_tokens
-        return max(MIN_PROMPT_TOKENS, min(fit, seen))
+        return max(MIN_PROMPT_TOKENS, fit)
