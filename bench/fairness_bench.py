@@ -81,16 +81,26 @@ async def _stream(c: httpx.AsyncClient, key: str, body: dict, t0: float) -> Resu
             except (ValueError, KeyError, TypeError):
                 code = None
             return Result(False, r.status_code, None, time.perf_counter() - t0, 0, code, r.headers.get("retry-after"))
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if ttft is None and '"text":""' not in line:  # the first chunk carrying text
-                ttft = time.perf_counter() - t0
-            if '"error"' in line[:20] or '"usage"' in line:
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Result(False, 200, ttft, time.perf_counter() - t0, tokens, chunk["error"].get("code"))
-                tokens = chunk["usage"]["completion_tokens"]
+        # Bytes, not httpx's line iterator: this client parses every token event of hundreds of streams on the
+        # same two cores as the gateway and the engines, and its per-line Python work delayed the responses it
+        # timed (a refusal read behind a queue of other streams' tokens). Lines are split only until the first
+        # token and where an error or the usage event is in the data.
+        tail = b""
+        async for piece in r.aiter_bytes():
+            data = tail + piece
+            cut = data.rfind(b"\n") + 1
+            tail = data[cut:]  # a partial line waits for the rest
+            if ttft is None or b'"usage"' in data or b'"error"' in data:
+                for line in data[:cut].split(b"\n"):
+                    if not line.startswith(b"data: {"):
+                        continue
+                    if ttft is None and b'"text":""' not in line:  # the first event carrying text
+                        ttft = time.perf_counter() - t0
+                    if b'"error"' in line[:20] or b'"usage"' in line:
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            return Result(False, 200, ttft, time.perf_counter() - t0, tokens, chunk["error"].get("code"))
+                        tokens = chunk["usage"]["completion_tokens"]
     return Result(True, 200, ttft, time.perf_counter() - t0, tokens)
 
 
