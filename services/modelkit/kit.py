@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.modelkit.config import DEMO_CONFIG, DRAFT_DIR, KitConfig
+
 _SOURCES = ("adapter_worker.py", "build.py", "config.py", "corpus.py", "draft.py", "evaluate.py", "tokenizer.py",
             "train.py")
 

@@ -11,11 +11,10 @@ import json
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
 from services.engine.kv_gate import token_agreement
-from services.engine.sequence import SamplingParams
-from tests.engine.conftest import make_config, make_engine, run_all, run_all_split as run_split, spec_tokens
-from tests.engine.oracle import ARTIFACTS, TieLog
+from tests.engine import test_multi_lora as lora_suite
+from tests.engine.conftest import make_config, make_engine, run_all, spec_tokens
+from tests.engine.oracle import ARTIFACTS
 from tests.engine.test_multi_lora import (  # noqa: F401  (fixtures)
     MAX_NEW as LORA_MAX_NEW,
     adapters,
@@ -24,24 +23,15 @@ from tests.engine.test_multi_lora import (  # noqa: F401  (fixtures)
     refs_of,
     workload,
 )
-from tests.engine.test_oracle import MAX_NEW, hf_model, prompts, references  # noqa: F401  (fixtures)
+from tests.engine.test_oracle import MAX_NEW, _requests, hf_model, prompts, references  # noqa: F401  (fixtures)
+from tests.engine.test_oracle import _check as oracle_check
 
 CUDA = "cuda"
 
 
-def _requests(prompts, max_new=MAX_NEW, prefix="r"):
-    params = SamplingParams(max_tokens=max_new, temperature=0)
-    return [{"id": f"{prefix}{i}", "prompt": p, "params": params} for i, p in enumerate(prompts)]
-
-
 def _check(name, engine, prompts, references):
-    requests = _requests(prompts)
-    out = run_split(engine, requests) if isinstance(engine, EngineConfig) else run_all(engine, requests)
-    log = TieLog(f"cuda-{name}")
-    for i, ref in enumerate(references):
-        log.check(f"r{i}", out[f"r{i}"], ref)
-    log.write()
-    return out
+    """test_oracle's check (an LLMEngine stepped here, or an EngineConfig served by a core process), logged as cuda-."""
+    return oracle_check(f"cuda-{name}", engine, prompts, references)
 
 
 def _engine(demo_kit, **kw):
@@ -93,14 +83,7 @@ def test_multi_lora_matches_peft(demo_kit, workload, refs_of, peft_refs, slots):
         need = max(len(p) + LORA_MAX_NEW for _, p in workload)
         engine = _engine(demo_kit, max_loras=4, max_cpu_loras=6, block_size=4, budget=24, num_blocks=need // 4 + 30,
                          preemption_mode="recompute")
-    params = SamplingParams(max_tokens=LORA_MAX_NEW, temperature=0)
-    requests = [{"id": f"r{i}", "prompt": p, "params": params, "adapter": refs_of[a] if a else None}
-                for i, (a, p) in enumerate(workload)]
-    out = run_all(engine, requests)
-    log = TieLog(f"cuda-lora-{slots}")
-    for i, ref in enumerate(peft_refs):
-        log.check(f"r{i}:{workload[i][0]}", out[f"r{i}"], ref)
-    log.write()
+    lora_suite._check(f"cuda-lora-{slots}", engine, workload, refs_of, peft_refs)
     if slots == "few":
         assert engine.scheduler.num_preemptions > 0 and engine.adapters.slot_loads > len(distinct)
 

@@ -165,6 +165,8 @@ def quantize_rows(x2: torch.Tensor, *, backend: Literal["auto", "torch", "triton
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     staged = not x2.is_cuda  # the interpreter (tests): its fp8 casts are wrong, so torch casts a staged fp32 copy
+    if staged and not _quant_interpreted():
+        raise ValueError("the Triton row quantization on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
     xq = torch.empty((m, k), dtype=torch.float32 if staged else FP8_DTYPE, device=x2.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     if m:
@@ -184,6 +186,12 @@ def _quant_kernels():
     from services.engine.kernels import fp8_quant_triton
 
     return fp8_quant_triton
+
+
+def _quant_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_quant_kernels().quantize_rows_kernel, InterpretedFunction)
 
 
 def _linear_scaled_mm(x2: torch.Tensor, w: Fp8Weight) -> torch.Tensor:

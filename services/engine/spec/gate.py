@@ -23,6 +23,8 @@ from services.engine.kv_gate import KvEvalSet, model_fingerprint, token_agreemen
 VERDICT_DIR = "spec_gate"
 DEFAULT_MIN_GAIN = 1.1
 DEFAULT_MIN_AGREEMENT = 0.999
+
+
 @dataclass(frozen=True, slots=True)
 class SpecGateResult:
     method: str
