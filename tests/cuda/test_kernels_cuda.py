@@ -12,7 +12,7 @@ from services.engine.kernels import build_sgmv_meta, fp8_linear, fp8_linear_ref,
 from services.engine.kernels.decode_attention import TritonDecodeAttention
 from services.engine.kernels.decode_attention_ref import paged_decode_attention_ref
 from tests.engine.kernels.test_decode_attention_triton import SENTINEL, build, cases, partition
-from tests.engine.kernels.test_sgmv_kernels import CASES, DTYPES, check_case, clean, make_case, oracle_shrink
+from tests.engine.kernels.test_sgmv_kernels import CASES, DTYPES, check_case, clean, make_case, oracle_expand, oracle_shrink
 
 CUDA = "cuda"
 
@@ -42,12 +42,7 @@ def test_sgmv_at_model_shapes(dtype, split_k):
     y0 = torch.randn(200, 3 * h_out, generator=torch.Generator().manual_seed(4)).to(dtype)
     y = y0.clone().to(CUDA)
     lora_expand(v.to(CUDA), b.to(CUDA), rk.to(CUDA), meta, y, y_offset=h_out)
-    used = sl.clamp(min=0)
-    r_tok = torch.where(sl >= 0, rk.long()[used], 0)
-    keep = torch.arange(r_max)[None, :] < r_tok[:, None]
-    delta = torch.einsum("tr,tor->to", v.to(dtype).float() * keep, clean(b)[used].float())
-    want = y0.clone()
-    want[:, h_out:2 * h_out] = (want[:, h_out:2 * h_out].float() + delta).to(dtype)
+    want = oracle_expand(v, clean(b), rk, sl, y0, h_out)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.cpu(), want, rtol=tol, atol=tol)
 
