@@ -258,6 +258,9 @@ def test_bad_and_unknown_version_ids_get_a_not_found_page(page, web_stack, viewp
         expect(page.get_by_text("Try again")).to_have_count(0)
         visit(page, f"version-unknown-{email.split('@')[0]}")
         expected_http_error(page, 404, r"adapter-versions/[0-9a-f-]{36}")
+        # ...and it is not asked again: a poll a second later (POLL_MS) would log the same 404 once more.
+        page.wait_for_timeout(2500)
+        assert not page.problems, f"the missing version was fetched again: {page.problems}"
         tid(page, "sign-out").click()
         expect(tid(page, "login-form")).to_be_visible()
 

@@ -41,7 +41,14 @@ export function VersionStatusPanel(props: { versionId: string; onVersion?: (v: A
   const [polling, setPolling] = useState(true);
   const state = useApi(
     async (s) => {
-      const v = await client.get<AdapterVersion>(`${base}/${encodeURIComponent(props.versionId)}`, undefined, s);
+      let v: AdapterVersion;
+      try {
+        v = await client.get<AdapterVersion>(`${base}/${encodeURIComponent(props.versionId)}`, undefined, s);
+      } catch (exc) {
+        // A missing version stays missing: stop polling (the page says so and offers no retry).
+        if (exc instanceof ApiError && exc.status === 404) setPolling(false);
+        throw exc;
+      }
       setPolling(isInFlight(v.status));
       setOverride(null);
       return v;
