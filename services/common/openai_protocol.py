@@ -234,6 +234,11 @@ class ChatCompletionRequest(_Common):
         if fmt is not None and mode == "auto":
             raise InvalidRequest("response_format cannot be combined with tools under tool_choice 'auto'",
                                  "response_format")
+        if mode == "auto" and not self.min_tokens:
+            # The model decides; a call it opens is held to the tools' schemas, so it always parses. (With
+            # min_tokens, which bans the end token, the grammar could be left without a legal token.)
+            specs = [check_tool(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)]
+            return Guide(GUIDE_TOOL_CALLS, tools=tuple(specs), parallel=self.parallel_tool_calls, optional=True)
         return fmt
 
     @property

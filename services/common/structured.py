@@ -62,8 +62,11 @@ class Guide:
 
     kind: str
     schema: dict[str, Any] | None = None  # json_schema
-    tools: tuple[ToolSpec, ...] = ()  # tool_calls: one of these, forced
+    tools: tuple[ToolSpec, ...] = ()  # tool_calls: calls to these
     parallel: bool = True  # tool_calls: more than one call allowed
+    # tool_calls under `tool_choice: auto`: the model may answer in text or call; a call it opens must be
+    # one of `tools` with valid arguments. Not optional: the answer is calls and nothing else.
+    optional: bool = False
 
     @property
     def text(self) -> str:
@@ -73,6 +76,8 @@ class Guide:
         elif self.kind == GUIDE_TOOL_CALLS:
             body["tools"] = [{"name": t.name, "parameters": t.parameters} for t in self.tools]
             body["parallel"] = self.parallel
+            if self.optional:
+                body["optional"] = True
         return _canonical(body)
 
     @property
@@ -99,7 +104,7 @@ class Guide:
         if not isinstance(tools, list) or not tools:
             raise InvalidRequest(f"{param}.tools must be a non-empty list", f"{param}.tools")
         specs = tuple(check_tool(t, f"{param}.tools[{i}]") for i, t in enumerate(tools))
-        return cls(kind, tools=specs, parallel=bool(body.get("parallel", True)))
+        return cls(kind, tools=specs, parallel=bool(body.get("parallel", True)), optional=body.get("optional") is True)
 
 
 def check_tool(tool: Any, param: str) -> ToolSpec:

@@ -22,7 +22,7 @@ import torch
 import xgrammar as xgr
 
 from services.common.structured import GUIDE_JSON_OBJECT, GUIDE_JSON_SCHEMA, Guide
-from services.common.tool_calls import CALL_SEPARATOR, CALL_SUFFIX, call_prefix
+from services.common.tool_calls import CALL_OPEN, CALL_SEPARATOR, CALL_SUFFIX, call_prefix
 from services.common.wire import InvalidRequest
 from services.engine.detokenizer import TokenizerInfo
 
@@ -92,11 +92,16 @@ class GrammarCache:
 def _tool_calls_tag(guide: Guide) -> dict:
     """One or more `<tool_call>` blocks (tool_calls.py's format), each a call to one of the guide's tools
     whose arguments match that tool's schema; nothing else. The arguments are written without free
-    whitespace, as json_schema output is (a structural tag's own json_schema content allows any)."""
+    whitespace, as json_schema output is (a structural tag's own json_schema content allows any).
+    Optional (`tool_choice: auto`): free text, in which writing `<tool_call>` opens such a call."""
     tags = [{"type": "tag", "begin": call_prefix(t.name), "end": CALL_SUFFIX,
              "content": {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(
                  json.dumps(_bounded_strings(t.parameters)), any_whitespace=False, strict_mode=True))}}
             for t in guide.tools]
+    if guide.optional:
+        return {"type": "structural_tag",
+                "format": {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
+                           "at_least_one": False, "stop_after_first": not guide.parallel}}
     return {"type": "structural_tag",
             "format": {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
                        "at_least_one": True, "stop_after_first": not guide.parallel}}

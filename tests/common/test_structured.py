@@ -48,7 +48,15 @@ def test_chat_request_builds_guides_and_refuses_what_it_cannot_honour():
     named = req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "time"}}).guide()
     assert named.kind == GUIDE_TOOL_CALLS and [t.name for t in named.tools] == ["time"] and not named.parallel
     assert req(tools=TOOLS, tool_choice="required", parallel_tool_calls=True).guide().parallel
-    assert req(tools=TOOLS).guide() is None and req(tools=TOOLS).parses_tool_calls
+    # auto: the model may answer in text; a call it opens is held to the tools (optional), at most one
+    # without parallel calls; with min_tokens (the end token banned) no grammar at all.
+    auto = req(tools=TOOLS).guide()
+    assert auto.kind == GUIDE_TOOL_CALLS and auto.optional and auto.parallel and req(tools=TOOLS).parses_tool_calls
+    assert [t.name for t in auto.tools] == ["weather", "time"] and Guide.parse(auto.text) == auto
+    assert not req(tools=TOOLS, tool_choice="auto", parallel_tool_calls=False).guide().parallel
+    assert req(tools=TOOLS, min_tokens=2).guide() is None and req(tools=TOOLS, min_tokens=2).parses_tool_calls
+    assert not named.optional and "optional" not in named.text  # forced guides keep their content hash
+    assert req(tools=TOOLS, tool_choice="none").guide() is None
     assert not req(tools=TOOLS, tool_choice="none").parses_tool_calls
     with pytest.raises(InvalidRequest) as e:
         req(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}).guide()

@@ -161,6 +161,42 @@ def test_json_object_and_forced_tool_calls(demo_kit, builder, chat):
             jsonschema_rs.validate(tool.parameters, json.loads(call.arguments))
 
 
+def _accepts(engine, builder, guide: str, text: str, *, ends: bool) -> bool:
+    """Whether the guide's grammar takes `text` token by token (and then the end token, if `ends`)."""
+    m = engine.grammars.matcher(guide)
+    ids = builder.tokenizer.encode(text, add_special_tokens=False).ids + ([2] if ends else [])
+    return all(m.accept(t) for t in ids)
+
+
+def test_an_optional_tool_guide_allows_text_and_holds_an_opened_call_to_the_tools(demo_kit, builder, chat):
+    """`tool_choice: auto`: text ends freely; a `<tool_call>` the model opens must name an offered tool and
+    match its schema; `parallel: false` ends the answer after the first call."""
+    engine = make_engine(demo_kit.base_dir)
+    tools = tuple(check_tool(t["function"], "t") for t in TOOLS)
+    auto = Guide(GUIDE_TOOL_CALLS, tools=tools, optional=True).text
+    single = Guide(GUIDE_TOOL_CALLS, tools=tools, parallel=False, optional=True).text
+    call = '<tool_call>\n{"name": "time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    for guide in (auto, single):
+        assert _accepts(engine, builder, guide, "The capital of France is Paris.", ends=True)
+        assert _accepts(engine, builder, guide, "Let me look.\n" + call, ends=True)
+        assert not _accepts(engine, builder, guide, '<tool_call>\n{"name": "nope", "arguments": {}}', ends=False)
+        assert not _accepts(engine, builder, guide, '<tool_call>\n{"name": "time", "arguments": {"zone": "PST"}}',
+                            ends=False)
+    assert _accepts(engine, builder, auto, call + "\n" + call, ends=True)
+    assert not _accepts(engine, builder, single, call + "\n" + call, ends=True)
+    # Sampled beside free rows: every answer that ended is text, calls that parse, or both.
+    reqs = [{"id": f"a{i}", "prompt": p, "params": SamplingParams(max_tokens=60, temperature=1.0, seed=i, guide=auto)}
+            for i, p in enumerate(chat)]
+    reqs += [{"id": f"f{i}", "prompt": p, "params": SamplingParams(max_tokens=60, temperature=1.0, seed=i)}
+             for i, p in enumerate(chat)]
+    out = run_all(engine, reqs)
+    for rid, tokens in out.items():
+        text = builder.tokenizer.decode(tokens)
+        if rid[0] == "a" and tokens[-1] == 2:
+            content, calls = split_output(text)
+            assert "<tool_call>" not in (content or ""), text
+
+
 def test_a_bad_guide_fails_only_its_request_and_grammars_are_cached_by_content(demo_kit, chat):
     engine = make_engine(demo_kit.base_dir)
     engine.add_request("ok", chat[0], SamplingParams(max_tokens=50, temperature=0, guide=_guided(PET)))
