@@ -221,10 +221,10 @@ class ChatCompletionRequest(_Common):
         tools = self.function_tools()
         mode = self.tool_mode
         fmt = _response_format(self.response_format)
+        specs = [check_tool(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)]
         if mode in ("required", "named"):
             if fmt is not None:
                 raise InvalidRequest("response_format cannot be combined with a forced tool call", "response_format")
-            specs = [check_tool(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)]
             if mode == "named":
                 name = self.tool_choice["function"].get("name")
                 specs = [s for s in specs if s.name == name]
@@ -237,7 +237,6 @@ class ChatCompletionRequest(_Common):
         if mode == "auto" and not self.min_tokens:
             # The model decides; a call it opens is held to the tools' schemas, so it always parses. (With
             # min_tokens, which bans the end token, the grammar could be left without a legal token.)
-            specs = [check_tool(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)]
             return Guide(GUIDE_TOOL_CALLS, tools=tuple(specs), parallel=self.parallel_tool_calls, optional=True)
         return fmt
 
