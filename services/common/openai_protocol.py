@@ -16,6 +16,7 @@ from services.common.structured import (
     GUIDE_JSON_SCHEMA,
     GUIDE_TOOL_CALLS,
     Guide,
+    ToolSpec,
     check_schema,
     check_tool,
 )
@@ -173,11 +174,18 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
 
     def function_tools(self) -> list[dict[str, Any]]:
-        """`tools`, checked: OpenAI function tools with names unique and schemas in the supported subset."""
+        """`tools`, checked (`tool_specs`), as the client sent them (what the chat template renders)."""
+        self.tool_specs()
+        return self.tools or []
+
+    def tool_specs(self) -> list[ToolSpec]:
+        """`tools` checked -- OpenAI function tools with names unique and schemas in the supported subset --
+        as the specs a guide constrains calls to."""
         if self.tools is None:
             return []
         if not isinstance(self.tools, list) or len(self.tools) > MAX_TOOLS:
             raise InvalidRequest(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+        specs: list[ToolSpec] = []
         seen: set[str] = set()
         for i, t in enumerate(self.tools):
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
@@ -187,7 +195,8 @@ class ChatCompletionRequest(_Common):
             if spec.name in seen:
                 raise InvalidRequest(f"tool name {spec.name!r} appears twice", f"tools[{i}].function.name")
             seen.add(spec.name)
-        return self.tools
+            specs.append(spec)
+        return specs
 
     @property
     def tool_mode(self) -> str:
@@ -218,10 +227,9 @@ class ChatCompletionRequest(_Common):
         return guide
 
     def _guide(self) -> Guide | None:
-        tools = self.function_tools()
+        specs = self.tool_specs()
         mode = self.tool_mode
         fmt = _response_format(self.response_format)
-        specs = [check_tool(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)]
         if mode in ("required", "named"):
             if fmt is not None:
                 raise InvalidRequest("response_format cannot be combined with a forced tool call", "response_format")

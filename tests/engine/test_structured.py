@@ -3,6 +3,7 @@ sampling settings, batch mates, preemption, chunked prefill, prefix hits, adapte
 touched; grammars are cached by content; a bad guide fails only its own request."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema_rs
@@ -184,17 +185,20 @@ def test_an_optional_tool_guide_allows_text_and_holds_an_opened_call_to_the_tool
                             ends=False)
     assert _accepts(engine, builder, auto, call + "\n" + call, ends=True)
     assert not _accepts(engine, builder, single, call + "\n" + call, ends=True)
-    # Sampled beside free rows: every answer that ended is text, calls that parse, or both.
-    reqs = [{"id": f"a{i}", "prompt": p, "params": SamplingParams(max_tokens=60, temperature=1.0, seed=i, guide=auto)}
-            for i, p in enumerate(chat)]
-    reqs += [{"id": f"f{i}", "prompt": p, "params": SamplingParams(max_tokens=60, temperature=1.0, seed=i)}
-             for i, p in enumerate(chat)]
+    # Beside free rows, greedy: a text answer (no call opened, no special token) is exactly the free answer --
+    # the optional grammar must not change a legal argmax.
+    greedy = SamplingParams(max_tokens=60, temperature=0)
+    reqs = [{"id": f"a{i}", "prompt": p, "params": dataclasses.replace(greedy, guide=auto)} for i, p in enumerate(chat)]
+    reqs += [{"id": f"f{i}", "prompt": p, "params": greedy} for i, p in enumerate(chat)]
     out = run_all(engine, reqs)
-    for rid, tokens in out.items():
-        text = builder.tokenizer.decode(tokens)
-        if rid[0] == "a" and tokens[-1] == 2:
-            content, calls = split_output(text)
-            assert "<tool_call>" not in (content or ""), text
+    special = set(builder.tokenizer.get_added_tokens_decoder()) - {2}
+    compared = 0
+    for i in range(len(chat)):
+        free = out[f"f{i}"]
+        if "<tool_call>" not in builder.tokenizer.decode(free) and not special & set(free):
+            assert out[f"a{i}"] == free, i
+            compared += 1
+    assert compared >= len(chat) // 2
 
 
 def test_a_bad_guide_fails_only_its_request_and_grammars_are_cached_by_content(demo_kit, chat):
