@@ -16,13 +16,14 @@ VLLM_VENV := .venv-vllm
 VLLM      := $(VLLM_VENV)/.vllm-installed
 export MPLEX_HOME ?= $(CURDIR)/.mplex
 
-.PHONY: help install tools model web up test fuzz bench clean
+.PHONY: help install tools model kit web up test fuzz bench clean
 
 help:
 	@echo "make up     - run the platform locally (builds everything it needs first)"
 	@echo "make test   - run the whole test suite"
 	@echo "make fuzz   - the fuzz suites, MPLEX_FUZZ_SCALE (default 20) times longer than in make test, fresh seeds"
 	@echo "make bench  - run the benchmarks; tables on stdout, figures in bench/results/"
+	@echo "make kit    - retrain the demo kit and copy it into assets/demo-kit (commit it after changing services/modelkit)"
 
 $(DEPS): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +87,12 @@ web: web/dist/index.html
 model: $(DEPS)
 	@$(MPLEX) modelkit build
 
+# After a change to services/modelkit: train the kit again (pinned SIMD paths, see services/modelkit/kit.py)
+# and refresh the committed copy that fresh machines and CI copy instead of training.
+kit: $(DEPS)
+	@$(MPLEX) modelkit build --force
+	@$(MPLEX) modelkit pin
+
 up: model web
 	@$(MPLEX) up
 
@@ -99,7 +106,7 @@ chromium:
 MPLEX_TEST_WORKERS ?= 2
 test: model $(TOOLS) web chromium
 	@cd web && npm run --silent test:built
-	@$(PY) -m pytest -q $(if $(filter 0,$(MPLEX_TEST_WORKERS)),,-n $(MPLEX_TEST_WORKERS))
+	@$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(MPLEX_TEST_WORKERS)),,-n $(MPLEX_TEST_WORKERS))
 
 # The request-path fuzzers (hypothesis over every field, straight to engines and through the gateway) and
 # schemathesis, longer and freshly seeded; every engine must still be serving after every case.

@@ -23,6 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from services.common.cpu_paths import pin
+
+# Before anything imports torch: every machine runs the suite on the same SIMD paths as the kit was built on
+# (services/common/cpu_paths.py), so a test calibrated on the kit sees the same numbers on any CI machine.
+# Children (engines, workers, gateways) inherit it.
+pin()
+
 TEST_DB_PATTERN = re.compile(r"^mplex_test_(\d+)_[0-9a-f]{8}$")
 
 

@@ -265,3 +265,10 @@ def build_adapter(spec: AdapterSpec, *, seed: int, eval_size: int, model_name: s
         "eval_exact_match": round(tuned.exact_match, 4),
         "base_exact_match": round(base_only.exact_match, 4),
     }
+
+
+if __name__ == "__main__":  # kit._build_pinned: a pickled (out_dir, cfg, build_key, progress) on stdin
+    import pickle
+
+    _out, _cfg, _key, _progress = pickle.loads(sys.stdin.buffer.read())
+    build_demo(Path(_out), _cfg, build_key=_key, progress=_progress)

@@ -28,6 +28,14 @@ def build(
                    f" (base alone {a['base_exact_match']:.0%})")
 
 
+@app.command("pin")
+def pin_kit(home: Optional[Path] = typer.Option(None, help="State dir (default $MPLEX_HOME or ./.mplex).")) -> None:
+    """Commit-ready copy of the current kit into assets/demo-kit (what fresh machines copy instead of training)."""
+    from services.modelkit.kit import pin
+
+    typer.echo(f"pinned the demo kit into {pin(home)}; commit it")
+
+
 @app.command()
 def info(home: Optional[Path] = typer.Option(None, help="State dir (default $MPLEX_HOME or ./.mplex).")) -> None:
     """Print the cached kit's manifest (builds it first if needed)."""
