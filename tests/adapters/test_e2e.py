@@ -266,9 +266,11 @@ def test_an_untrained_random_adapter_is_rejected_by_the_gate_with_reasons(stack,
     tenant_admin = signed_in(stack, people["tenant_admin"])
     v = tenant_admin.get(f"/api/tenant/adapter-versions/{up['version_id']}").json()
     tenant_admin.close()
-    # Its near-flat logits may also flip greedy tokens under FP8: that second reason is legitimate too.
+    # Its near-flat logits may also flip greedy tokens under FP8, and its noise may make some answers loop or
+    # come out empty where the base's do not (on the pinned kit: both): those reasons are legitimate too.
     codes = [r["code"] for r in v["reasons"]]
-    assert codes[0] == "margin_below_threshold" and set(codes) <= {"margin_below_threshold", "fp8_agreement_below_threshold"}
+    assert codes[0] == "margin_below_threshold" and set(codes) <= {
+        "margin_below_threshold", "fp8_agreement_below_threshold", "malformed_outputs"}
     assert "must beat the base" in v["reasons"][0]["message"]
     m = v["eval"]["metrics"]
     assert v["eval"]["passed"] is False and m["adapter"]["rouge_l"] < m["base"]["rouge_l"] + 0.05

@@ -155,7 +155,8 @@ def test_an_adapter_that_wrecks_the_output_is_refused(gate, base_items, demo_kit
     result = judge(gate, random_adapter(demo_kit, tmp_path / "wreck", 3.0), base_items)
     c = codes(result)
     assert not result.passed and c["regression_over_tolerance"] is False and c["malformed_outputs"] is False
-    assert result.metrics["regression"]["mean_drop"] > 0.5 and result.metrics["malformed"]["rate"] > 0.2
+    # Far past both tolerances: more than half the quality gone, malformed answers at 5x the 2% allowed.
+    assert result.metrics["regression"]["mean_drop"] > 0.5 and result.metrics["malformed"]["rate"] > 0.1
 
 
 def test_an_adapter_that_breaks_the_numerics_is_refused(gate, base_items, demo_kit, tmp_path):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.adapters.scoring import token_agreement
 from services.engine.config import CacheConfig, ConfigError, ModelConfig
 from services.engine.sequence import SamplingParams
 from tests.engine.conftest import make_engine, run_all
+from tests.engine.oracle import hf_greedy
 
 SYSTEM = "You are a careful assistant. Answer briefly and exactly. " * 4
 
@@ -135,13 +135,29 @@ def test_fp8_outputs_do_not_depend_on_how_the_cache_was_filled(demo_kit, demo_pr
 
 
 def test_fp8_agrees_with_the_fp32_kv_cache(demo_kit, demo_prompts):
-    """Greedy answers (up to EOS, as served) against the same engine with an fp32 cache. Measured here:
-    0.989 (87 of 88 tokens) on these 16 prompts; the bench reports every demo eval set. (Past EOS, with ignore_eos, the
-    model is unsure by training and agreement there says little: 0.80 on the same prompts.)"""
+    """Greedy answers (up to EOS, as served) against the same engine with an fp32 cache: most identical, and
+    where one parts from the fp32 answer it is at a near-tie of the fp32 logits (the HF oracle's top-2 gap
+    there), which fp8's rounding may flip; fp8 never overturns a clear choice. Measured on the pinned kit: 13
+    of 16 identical, the other 3 parting at gaps 0.02, 0.09 and 0.38 -- each its answer's smallest gap. (A
+    token count says less: one flip on the second token of a 6-token answer cost 0.79 of token agreement.)"""
+    from transformers import AutoModelForCausalLM
+
     runs = [_greedy(make_engine(demo_kit.base_dir, kv_dtype=kv), demo_prompts, max_tokens=48, ignore_eos=False)
             for kv in ("auto", "fp8")]
-    ids = sorted(runs[0])
-    assert token_agreement([runs[0][i] for i in ids], [runs[1][i] for i in ids]) >= 0.95
+    torch.set_num_threads(2)
+    hf = AutoModelForCausalLM.from_pretrained(demo_kit.base_dir, dtype=torch.float32).eval()
+    identical, parted = 0, []
+    for i, prompt in enumerate(demo_prompts):
+        fp32, fp8 = runs[0][f"r{i}"], runs[1][f"r{i}"]
+        if fp32 == fp8:
+            identical += 1
+            continue
+        ref = hf_greedy(hf, prompt, 48)
+        assert ref.tokens == fp32  # the fp32 cache is the oracle's
+        k = next((j for j, (a, b) in enumerate(zip(fp32, fp8)) if a != b), min(len(fp32), len(fp8)))
+        parted.append((i, k, ref.gaps[k]))
+    assert identical >= 0.75 * len(demo_prompts), parted
+    assert all(gap < 0.5 for _, _, gap in parted), parted
 
 
 def test_same_seed_same_sample_alone_or_in_a_batch_with_fp8_kv(tiny_model):

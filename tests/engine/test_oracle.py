@@ -7,6 +7,7 @@ recompute and by swapping to the host tier and back (mid-prefill and mid-decode,
 """
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -210,9 +211,23 @@ def test_split_path_recompute_from_a_tiny_kv_pool(demo_kit, prompts, references)
 
 
 # -- speculative decoding (prompt lookup, the kit's draft model): drafts verified in the step, the same oracle --
+@pytest.fixture(scope="module")
+def spec_workload(demo_kit, hf_model, prompts, references):
+    """The oracle's prompts, then three whose answers copy the question's words ('The capital of X is ...'),
+    which prompt lookup drafts right. Last, so they decode when nothing waits for admission (speculation is
+    off while requests wait): on the pinned kit the oracle's prompts alone left prompt lookup with no accepted
+    draft on the chunked, preempt and swap paths; with these, 3-11 on every path."""
+    builder = PromptBuilder(demo_kit.base_dir)
+    rows = [json.loads(x)["prompt"] for x in demo_kit.base_eval.read_text().splitlines() if x.strip()]
+    extra = [builder.chat_ids([{"role": "user", "content": q}]) for q in rows if "capital" in q][:3]
+    assert len(extra) == 3
+    return prompts + extra, references + [hf_greedy(hf_model, p, MAX_NEW) for p in extra]
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("path", ["batch", "chunked", "preempt", "swap"])
-def test_speculative_decoding_matches_the_oracle(demo_kit, prompts, references, path, drafter):
+def test_speculative_decoding_matches_the_oracle(demo_kit, spec_workload, path, drafter):
+    prompts, references = spec_workload
     need = max(len(p) + MAX_NEW for p in prompts)
     kw = {"batch": {}, "chunked": dict(block_size=4, budget=7),
           "preempt": dict(block_size=4, num_blocks=need // 4 + 12, budget=64, preemption_mode="recompute"),

@@ -114,9 +114,12 @@ def test_seeded_choices_sample_the_same_tokens_with_and_without_sharing(demo_kit
 def test_forks_under_an_adapter_and_never_across_adapters_or_tenants(demo_kit, prompts):
     name, adapter = next(iter(demo_kit.adapters.items()))
     ref = AdapterRef(content_id(adapter.path), name, str(adapter.path))
-    reqs = (choices(prompts[:1], GREEDY, n=3, adapter=ref)
-            + [{"id": "base", "prompt": prompts[0], "params": GREEDY}]  # same tokens, no adapter
-            + [{"id": "other-tenant", "prompt": prompts[0], "params": GREEDY, "adapter": ref, "salt": "t2"}])
+    # ignore_eos: a choice forks from a *running* member, and an adapter may answer this off-task prompt with
+    # an immediate EOS (the pinned kit's `reverse` does), finishing choice 0 before the others could fork it.
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    reqs = (choices(prompts[:1], greedy, n=3, adapter=ref)
+            + [{"id": "base", "prompt": prompts[0], "params": greedy}]  # same tokens, no adapter
+            + [{"id": "other-tenant", "prompt": prompts[0], "params": greedy, "adapter": ref, "salt": "t2"}])
     engine = make_engine(demo_kit.base_dir, block_size=8)
     shared = run_all(engine, reqs)
     alone = run_all(make_engine(demo_kit.base_dir, block_size=8, prompt_sharing=False), reqs)
