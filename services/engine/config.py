@@ -286,6 +286,10 @@ class LoraConfig:
     # CPU only: "native" = the C SGMV kernel (kernels/sgmv_native.py, fp32), "torch" = batched torch ops
     # (kernels/sgmv_cpu.py), "auto" = native when it builds here and the dtype is fp32, else torch.
     cpu_kernel: str = "auto"
+    # True: a local adapter is read on the step thread when first needed, so which step finds it resident does
+    # not depend on the loader thread's timing (tests whose workloads must preempt, or speculate, the same way on
+    # a loaded machine as on an idle one). Serving keeps loads off the step loop: False.
+    inline_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_kernel not in ("auto", "native", "torch"):

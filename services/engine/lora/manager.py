@@ -173,7 +173,9 @@ class AdapterManager:
         if not self._make_room(evict):
             return
         self._loading.add(cid)
-        if is_local(ref.path):
+        if is_local(ref.path) and self.config.inline_loads:
+            self._load(ref)  # its result waits in `_done` for the next poll, as a loader thread's would
+        elif is_local(ref.path):
             self._pool.submit(self._load, ref)
         else:
             self._fetchers.submit(self._fetch_then_load, ref)
