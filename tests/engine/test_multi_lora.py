@@ -286,6 +286,27 @@ def test_loading_happens_off_the_step_loop(demo_kit, adapters, tmp_path):
     assert slow.num_output_tokens == 8
 
 
+def test_inline_loads_make_the_first_step_find_the_adapter_resident(demo_kit, adapters, refs_of):
+    """`inline_loads` (the stress tests above): a local adapter is read on the step thread, so the request
+    that needs it computes in the very step it is scheduled, whatever the machine's load; a remote one
+    still loads on the fetcher threads."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = make_engine(demo_kit.base_dir, inline_loads=True)
+    seq = engine.add_request("x", [5, 6, 7], params, adapter=refs_of["rand3"])
+    engine.step()
+    assert seq.num_computed_tokens == 3 and seq.num_output_tokens == 1 and engine.adapters.slot_loads == 1
+    fsspec.register_implementation("gated", _GatedFS, clobber=True)
+    _GatedFS.gate.clear()
+    path = adapters["rand2"]
+    remote = engine.add_request("remote", [5, 6, 7], params, adapter=AdapterRef(content_id(path), "rand2",
+                                                                                f"gated://{path}"))
+    engine.step()
+    assert remote.num_output_tokens == 0 and engine.adapters.is_loading(content_id(path))
+    _GatedFS.gate.set()
+    run_all(engine, [])
+    assert remote.num_output_tokens == 4 and seq.num_output_tokens == 4
+
+
 def test_more_distinct_adapters_queued_than_the_host_tier_holds_load_about_once_each(tiny_model, tmp_path):
     """12 adapters queued at once, 2 device slots, a host tier of 4: each adapter is read from storage
     once (a queue that asked for all of them at once evicted each load before it got a slot)."""
