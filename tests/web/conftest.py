@@ -108,8 +108,12 @@ def web_stack(web_dist, web_database_url, stack_env, service_urls, demo_kit, tmp
         engine.dispose()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(web_stack) -> Iterator:
+    """Per module, not per session: while Playwright's sync API is open, its event loop counts as running in
+    this thread, and any later test in the same worker that calls asyncio.run() fails ("cannot be called from
+    a running event loop"). Session-scoped, that held only because tests/web come last in collection order:
+    with `--dist loadscope` 26 tests in other directories failed so."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium package (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
