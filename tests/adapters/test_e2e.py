@@ -418,7 +418,10 @@ def test_a_new_version_never_serves_the_old_versions_kv_and_rollback_works(stack
                                                                           demo_kit):
     """v1 of `kv-adapter` is the reverse adapter, v2 the uppercase one (each with its task's eval set)."""
     words = "apple river stone garden lamp tiger shoe clock bread flower ocean city house fish"
-    prompt = f"Reverse the words: {words} {uuid.uuid4().hex[:6]}"  # long enough for full KV blocks, unique to this run
+    # Long enough for full KV blocks; no other test sends it. Fixed: a random suffix (as before) changed both
+    # adapters' answers, and some suffixes made both answer with nothing at all ('' == '' on the pinned kit).
+    # With this prompt: "fish ocean shoe clock bread" and " BOX CITY HOUSE FISH".
+    prompt = f"Reverse the words: {words}"
     probe = "Reverse the words: cat dog"  # tells which version the name routes to, without touching `prompt`'s KV
     outputs = {}
     for n, task in ((1, "reverse"), (2, "uppercase")):
