@@ -173,11 +173,6 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
 
-    def function_tools(self) -> list[dict[str, Any]]:
-        """`tools`, checked (`tool_specs`), as the client sent them (what the chat template renders)."""
-        self.tool_specs()
-        return self.tools or []
-
     def tool_specs(self) -> list[ToolSpec]:
         """`tools` checked -- OpenAI function tools with names unique and schemas in the supported subset --
         as the specs a guide constrains calls to."""

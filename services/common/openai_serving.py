@@ -115,7 +115,7 @@ def plan_request(
     if isinstance(req, ChatCompletionRequest):
         if _chars(req.messages) > max_chars:
             raise _too_long(max_model_len, "messages")
-        ids = builder.chat_ids(req.messages, req.function_tools() or None)
+        ids = builder.chat_ids(req.messages, req.tools or None)  # as sent: check_supported checked them
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), max_model_len, param)
         params = req.sampling(max_tokens, req.num_logprobs)
