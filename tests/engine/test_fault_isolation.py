@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 import pytest
 
 from services.common.wire import RequestFailed, SamplingParams
@@ -224,3 +226,50 @@ def test_a_grammar_failure_fails_only_its_constrained_request(tiny_model):
     tokens, errors = _run(engine, [])
     assert set(errors) == {"bad"} and isinstance(errors["bad"], RequestFailed)
     assert {rid: tokens[rid] for rid, _, _ in clean} == expected
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_an_adapter_whose_activations_overflow_leaves_no_trace_in_reused_kv_blocks(demo_kit, tmp_path, kv_dtype):
+    """An adapter whose weights overflow the hidden state writes NaN/Inf K/V. Freed, those blocks go to the next
+    requests, whose prefill gathers whole blocks: slots past their fill are masked out, but a masked NaN still
+    poisons the softmax (NaN + -inf) and the weighted sum (0 * NaN). Found by the quality gate: a demo adapter
+    judged after such an upload got one degenerate token. The cache must only ever hold finite values, so the
+    next requests -- another tenant's -- are token- and logprob-identical to a fresh engine's."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from services.common.lora_format import content_id
+    from services.engine.sequence import AdapterRef
+    from services.modelkit import make_random_adapter
+    from tests.engine.conftest import make_engine
+
+    path = make_random_adapter(demo_kit.base_dir, tmp_path / "overflow", rank=4, seed=1,
+                               target_modules=("q_proj", "down_proj"), layers=[1])
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save_file({k: torch.full_like(v, 1e18) if "down_proj" in k else v for k, v in tensors.items()},
+              str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    overflow = AdapterRef(name="overflow", path=str(path), content_id=content_id(path))
+    # Few blocks, so the healthy requests get blocks the overflowing ones used; prompts of 13-20 tokens leave
+    # stale slots in their last block.
+    kw = dict(num_blocks=40, prefix_caching=False, kv_dtype=kv_dtype, inline_loads=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    healthy = [(f"h{i}", p, greedy) for i, p in enumerate(_prompts(8, 13))]
+
+    def run(engine, adapter=None, reqs=healthy):
+        for rid, prompt, params in reqs:
+            engine.add_request(rid, prompt, params, adapter=adapter)
+        out: dict[str, list] = {rid: [] for rid, _, _ in reqs}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += [(t, lp.logprob) for t, lp in zip(o.new_token_ids, o.logprobs)]
+        return out
+
+    fresh = run(make_engine(demo_kit.base_dir, **kw))
+    engine = make_engine(demo_kit.base_dir, **kw)
+    poisoned = run(engine, overflow, [(f"x{i}", p, SamplingParams(max_tokens=30, temperature=0, logprobs=1))
+                                      for i, p in enumerate(_prompts(8, 40))])
+    assert all(not math.isfinite(lp) or lp < -7 for o in poisoned.values() for _, lp in o)  # it did overflow
+    finite = all(torch.isfinite(t.float()).all() for layer in engine.runner.kv_caches for t in layer.tensors())
+    assert run(engine) == fresh
+    assert finite

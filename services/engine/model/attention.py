@@ -94,8 +94,25 @@ class AttnMetadata:
     num_threads: int = 1
 
 
+# Largest magnitude a cached K/V element may hold: far above any real activation, small enough that a query
+# times a stale key cannot overflow fp32 (|q| * KV_LIMIT * head_dim << 3.4e38).
+KV_LIMIT = 1e18
+
+
+def cacheable(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows as the cache may hold them: NaN, Inf and magnitudes over KV_LIMIT become 0.
+
+    A block outlives its sequence: freed, it goes to the next request, whose prefill gathers whole blocks and
+    masks the slots past its fill. A masked slot adds exp(-inf) = 0 -- unless it holds NaN or Inf (NaN - inf,
+    0 * NaN), which one request's overflowing activations (an adapter with huge weights, found by the quality
+    gate) would otherwise pass on to whoever gets the block next. Only a request whose own K/V is not finite
+    sees a change, and its output is garbage already; a healthy request's values pass unchanged."""
+    return torch.where(x.abs() <= KV_LIMIT, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttnMetadata) -> None:
-    """The step's new K/V rows [T, KVH, D] into their slots."""
+    """The step's new K/V rows [T, KVH, D] into their slots (made finite first: `cacheable`)."""
+    k, v = cacheable(k), cacheable(v)
     if not cache.is_fp8:
         kv_heads, head_dim = cache.k.shape[2:]
         cache.k.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
