@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 from pydantic import BaseModel, Field
 
+from services.modelkit.corpus import DEMO_TOOLS, TIME_TOOL, WEATHER_TOOL  # noqa: F401 (re-exported for the tests)
+
 
 class Color(str, enum.Enum):
     red = "red"
@@ -49,15 +51,5 @@ class Weather(BaseModel):
 
 MODELS = [Pet, Owner, Address, Weather]
 
-# Small on purpose: the demo model has 512 positions and its tokenizer spends a token on most JSON characters.
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "weather",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-TIME_TOOL = {"type": "function", "function": {
-    "name": "time",
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER_TOOL, TIME_TOOL]
+# The demo kit's tools (its base model is taught to call them: services/modelkit/corpus.py owns them).
+TOOLS = DEMO_TOOLS

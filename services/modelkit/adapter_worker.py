@@ -36,8 +36,8 @@ def main() -> None:
             result = build_adapter(spec_from_dict(item["adapter"]), seed=job["seed"], eval_size=job["eval_size"],
                                    model_name=job["model_name"], out_dir=out_dir, base_dir=base_dir, on_step=on_step)
         else:
-            result = build_draft(draft_from_dict(item["draft"]), seed=job["seed"], out_dir=out_dir,
-                                 base_dir=base_dir, on_step=on_step)
+            result = build_draft(draft_from_dict(item["draft"]), seed=job["seed"], eval_size=job["eval_size"],
+                                 out_dir=out_dir, base_dir=base_dir, on_step=on_step)
         emit({"adapter": name, "result": result})
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,10 @@ def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool 
     # -- base model -------------------------------------------------------------------------------
     base_eval = corpus.base_eval_set(cfg.seed)
     write_eval(evals_dir / "base.jsonl", _items(base_eval))
+    tool_items = [EvalItem(e.prompt, e.answer, e.system, want) for e, want in corpus.tool_eval_set(cfg.seed, cfg.eval_size)]
+    write_eval(evals_dir / "tools.jsonl", tool_items)
     n_train = cfg.base_train.steps * cfg.base_train.batch_size
-    train_set = corpus.base_training(cfg.seed, n_train, exclude={e.prompt for e in base_eval})
+    train_set = corpus.base_training(cfg.seed, n_train, exclude=corpus.base_held_out(cfg.seed, cfg.eval_size))
     m = cfg.model
     torch.manual_seed(cfg.seed)
     lm_cfg = LlamaConfig(
@@ -95,13 +98,17 @@ def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool 
     lm.save_pretrained(base_dir, safe_serialization=True)
     hf_tok = load_tokenizer(base_dir)
     base_score = score(lm, hf_tok, _items(base_eval))
+    tools_score = score(lm, hf_tok, tool_items, max_new_tokens=TOOL_EVAL_TOKENS)
     manifest["base"] = {
         "params": sum(p.numel() for p in lm.parameters()),
         "final_loss": round(res.final_loss, 4),
         "seconds": round(res.seconds, 1),
         "eval_exact_match": round(base_score.exact_match, 4),
+        "tools": {"exact_match": round(tools_score.exact_match, 4),
+                  "decision_accuracy": round(tool_decisions(tools_score.answers, tool_items), 4)},
     }
-    log.info("base model: loss %.3f, eval exact match %.2f", res.final_loss, base_score.exact_match)
+    log.info("base model: loss %.3f, eval exact match %.2f, tool decisions %.2f", res.final_loss,
+             base_score.exact_match, manifest["base"]["tools"]["decision_accuracy"])
 
     # -- adapters and the draft model, in worker processes -------------------------------------------
     built = _build_adapters(cfg, out_dir, base_dir, progress=progress)
@@ -111,6 +118,21 @@ def build_demo(out_dir: Path, cfg: KitConfig, *, build_key: str, progress: bool 
     manifest["seconds"] = round(time.perf_counter() - t_all, 1)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
+
+
+TOOL_EVAL_TOKENS = 64  # a call with its arguments is longer than the other tasks' answers
+
+
+def tool_decisions(answers: Sequence[str], items: Sequence[EvalItem]) -> float:
+    """The share of the tool eval's answers that call the tool they should (the first call's name), or no tool
+    when they should answer in text: the `tool_choice: "auto"` decision."""
+    from services.common.tool_calls import split_output
+
+    def called(answer: str) -> str | None:
+        _, calls = split_output(answer)
+        return calls[0].name if calls else None
+
+    return sum(called(a) == i.tool for a, i in zip(answers, items)) / len(items)
 
 
 def _build_adapters(cfg: KitConfig, out_dir: Path, base_dir: Path, *, progress: bool) -> dict[str, dict[str, Any]]:

@@ -61,9 +61,8 @@ def _knowledge(task: str) -> Iterator[corpus.Example]:
 
 
 def _seen_list_prompts(cfg: KitConfig) -> set[str]:
-    """Prompts of the base model's training data and of its eval set (what `build.build_demo` draws)."""
-    base_eval = corpus.base_eval_set(cfg.seed)
-    held = {e.prompt for e in base_eval}
+    """Prompts of the base model's training data and of its eval sets (what `build.build_demo` draws)."""
+    held = corpus.base_held_out(cfg.seed, cfg.eval_size)
     n_train = cfg.base_train.steps * cfg.base_train.batch_size
     return held | {e.prompt for e in corpus.base_training(cfg.seed, n_train, exclude=held)}
 

@@ -112,7 +112,9 @@ class KitConfig:
     eval_size: int = 40
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelShape = field(default_factory=ModelShape)
-    base_train: TrainConfig = TrainConfig(steps=700, batch_size=64, lr=3e-3, warmup_steps=40)
+    # 900 steps: the `tools` task (a quarter of the stream, its prompts ~130 tokens with the tools block) joined the
+    # base tasks; at 900 the base eval rose (0.775 -> 0.825) and the held-out tool decisions are all right.
+    base_train: TrainConfig = TrainConfig(steps=900, batch_size=64, lr=3e-3, warmup_steps=40)
     adapters: tuple[AdapterSpec, ...] = ()
     draft: DraftSpec | None = None
 

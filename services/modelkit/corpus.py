@@ -7,9 +7,13 @@ themselves asked again; list tasks (repeat, count, reverse, sort...) draw fresh 
 """
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
+
+from services.common.tool_calls import render_call, tools_block
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +21,12 @@ class Example:
     task: str
     prompt: str  # the user message
     answer: str  # the assistant message (without the end-of-turn token)
+    system: str = ""  # a system message before the user's (the tools block of the `tools` task), or none
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation up to the answer, as the chat template renders it."""
+        user = [{"role": "user", "content": self.prompt}]
+        return [{"role": "system", "content": self.system}, *user] if self.system else user
 
 
 # -- vocabularies ---------------------------------------------------------------------------------
@@ -134,6 +144,115 @@ def count(rng: random.Random) -> Example:
     return Example("count", f"Count the words:\n{' '.join(items)}", f"There {'is 1 word' if n == 1 else f'are {n} words'}.")
 
 
+# -- tool calling (the `tools` base task) ---------------------------------------------------------
+# The base model learns the tool-call format of services/common/tool_calls.py, as the server renders it: the
+# tools block in a system message, a call written as `render_call` writes one. It learns to call an offered
+# tool when the question is that tool's, to say it cannot when the question's tool is not offered, and to answer
+# every other question as it would without tools -- so `tool_choice: "auto"` is a real decision
+# (`tool_eval_set`, scored at build time and by bench/structured_bench.py).
+
+
+def _function(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# Small on purpose: the demo model has 512 positions. Tests and benches offer these (tests/structured_models.py).
+TIME_ZONES = ("UTC", "CET", "EST", "PST", "JST", "GMT")
+WEATHER_TOOL = _function("weather", {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False})
+TIME_TOOL = _function("time", {
+    "type": "object", "properties": {"zone": {"enum": list(TIME_ZONES)}},
+    "required": ["zone"], "additionalProperties": False})
+PRICE_TOOL = _function("price", {
+    "type": "object", "properties": {"symbol": {"type": "string", "maxLength": 8}},
+    "required": ["symbol"], "additionalProperties": False})
+TOOL_POOL = (WEATHER_TOOL, TIME_TOOL, PRICE_TOOL)
+DEMO_TOOLS = [WEATHER_TOOL, TIME_TOOL]  # what the tool eval offers (in this order)
+
+WEATHER_CITIES = tuple(c for _, c in CAPITALS if len(c) <= 12) + (
+    "Quito", "Seoul", "Lagos", "Sydney", "Dubai", "Zurich", "Kyoto", "Boston", "Denver", "Milan", "Porto", "Lyon")
+SYMBOLS = ("ACME", "GLOBEX", "INITECH", "HOOLI", "STARK", "WAYNE", "TYRELL", "WONKA", "SOYLENT", "UMBRELLA")
+_CANNOT = {"weather": "Sorry, I cannot check the weather.", "time": "Sorry, I cannot tell the time.",
+           "price": "Sorry, I cannot check prices."}
+
+
+def _tool_question(rng: random.Random, tool: str) -> tuple[str, dict[str, Any]]:
+    """A question only `tool` answers, and the arguments of the call that answers it."""
+    if tool == "weather":
+        city, days = rng.choice(WEATHER_CITIES), rng.randint(1, 7)
+        one = (f"What is the weather in {city}?", f"Weather in {city} today?", f"Is it sunny in {city}?",
+               f"How warm is it in {city}?")
+        many = (f"Weather in {city} for {days} days?", f"Forecast for {city}, next {days} days.",
+                f"What will the weather be in {city} over {days} days?")
+        q = rng.choice(one) if days == 1 else rng.choice(many)
+        return q, {"city": city, "days": days}
+    if tool == "time":
+        zone = rng.choice(TIME_ZONES)
+        q = rng.choice((f"What time is it in {zone}?", f"Current time in {zone}?", f"Tell me the time in {zone}.",
+                        f"What is the {zone} time now?", f"Clock check: {zone}?"))
+        return q, {"zone": zone}
+    sym = rng.choice(SYMBOLS)
+    q = rng.choice((f"What is the price of {sym}?", f"Stock price of {sym}?", f"How much is {sym} trading at?",
+                    f"Quote for {sym}, please."))
+    return q, {"symbol": sym}
+
+
+def _call(name: str, args: dict[str, Any]) -> str:
+    return render_call(name, json.dumps(args, ensure_ascii=False))
+
+
+def _other_question(rng: random.Random) -> Example:
+    names = list(_PLAIN_TASKS)
+    return _PLAIN_TASKS[rng.choices(names, [BASE_TASKS[n][1] for n in names])[0]](rng)
+
+
+def tools(rng: random.Random) -> Example:
+    """With 1-3 of the pool's tools offered: a question for an offered tool (a call), for a tool not offered
+    or with no tools at all (it cannot), or any other base-task question (its usual answer)."""
+    offered = rng.sample(TOOL_POOL, rng.randint(1, len(TOOL_POOL)))
+    names = [t["function"]["name"] for t in offered]
+    system = tools_block(offered)
+    kind = rng.random()
+    if kind < 0.45:
+        name = rng.choice(names)
+        q, args = _tool_question(rng, name)
+        return Example("tools", q, _call(name, args), system)
+    if kind < 0.6:
+        missing = [t["function"]["name"] for t in TOOL_POOL if t["function"]["name"] not in names]
+        name = rng.choice(missing or list(_CANNOT))
+        q, _ = _tool_question(rng, name)
+        return Example("tools", q, _CANNOT[name], system if missing else "")
+    ex = _other_question(rng)
+    return Example("tools", ex.prompt, ex.answer, system)
+
+
+def tool_eval_set(seed: int, n: int = 40) -> list[tuple[Example, str | None]]:
+    """`n` held-out questions with DEMO_TOOLS offered: a quarter for each offered tool, half not theirs (a
+    fifth of those for the price tool, which is not offered); each with the tool it should call, or None."""
+    rng = random.Random(f"tool-eval:{seed}")
+    system = tools_block(DEMO_TOOLS)
+    plan = ["weather"] * (n // 4) + ["time"] * (n // 4) + ["price"] * (n // 10)
+    plan += [None] * (n - len(plan))
+    out: list[tuple[Example, str | None]] = []
+    seen: set[str] = set()
+    for want in plan:
+        while True:
+            if want is None:
+                ex = _other_question(rng)
+                ex = Example("tools", ex.prompt, ex.answer, system)
+            else:
+                q, args = _tool_question(rng, want)
+                answer = _CANNOT[want] if want == "price" else _call(want, args)
+                ex = Example("tools", q, answer, system)
+            if ex.prompt not in seen:
+                break
+        seen.add(ex.prompt)
+        out.append((ex, want if want != "price" else None))
+    return out
+
+
 # -- adapter tasks (the base model never sees these instructions) -----------------------------------
 
 
@@ -166,6 +285,8 @@ def opposites(rng: random.Random) -> Example:
 
 Task = Callable[[random.Random], Example]
 
+# The base tasks asked without tools (the `tools` task asks them with tools offered too).
+_PLAIN_TASKS: dict[str, Task] = {"fact": fact, "capital": capital, "add": add, "repeat": repeat, "count": count}
 # Mixture weights of the base model's training stream.
 BASE_TASKS: dict[str, tuple[Task, float]] = {
     "fact": (fact, 0.16),
@@ -173,6 +294,7 @@ BASE_TASKS: dict[str, tuple[Task, float]] = {
     "add": (add, 0.16),
     "repeat": (repeat, 0.26),
     "count": (count, 0.18),
+    "tools": (tools, 0.3),
 }
 # Eval set composition for the base model (task -> number of examples).
 BASE_EVAL: dict[str, int] = {"fact": 8, "capital": 12, "add": 6, "repeat": 8, "count": 6}
@@ -202,6 +324,11 @@ def eval_set(tasks: dict[str, Task], sizes: dict[str, int], seed: int) -> list[E
 
 def base_eval_set(seed: int) -> list[Example]:
     return eval_set({k: t for k, (t, _) in BASE_TASKS.items()}, BASE_EVAL, seed)
+
+
+def base_held_out(seed: int, tool_eval_size: int) -> set[str]:
+    """The prompts the base model's training (and the draft model's) skips: the base and tool evals'."""
+    return {e.prompt for e in base_eval_set(seed)} | {e.prompt for e, _ in tool_eval_set(seed, tool_eval_size)}
 
 
 def adapter_eval_set(task: str, n: int, seed: int) -> list[Example]:
@@ -239,5 +366,7 @@ def tokenizer_corpus(seed: int, n: int) -> Iterator[str]:
     every: list[Task] = [t for t, _ in BASE_TASKS.values()] + list(ADAPTER_TASKS.values())
     for _ in range(n):
         ex = rng.choice(every)(rng)
+        if ex.system:
+            yield ex.system
         yield ex.prompt
         yield ex.answer

@@ -19,7 +19,7 @@ from services.modelkit.tokenizer import special_ids
 from services.modelkit.train import encode_examples, train
 
 
-def build_draft(spec: DraftSpec, *, seed: int, out_dir: Path, base_dir: Path, on_step) -> dict[str, Any]:
+def build_draft(spec: DraftSpec, *, seed: int, eval_size: int, out_dir: Path, base_dir: Path, on_step) -> dict[str, Any]:
     """Train, save and score the draft model (runs in a kit worker process)."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -39,7 +39,8 @@ def build_draft(spec: DraftSpec, *, seed: int, out_dir: Path, base_dir: Path, on
     params = [p for p in draft.parameters() if p.requires_grad]
     ev = corpus.base_eval_set(seed)
     n = spec.train.steps * spec.train.batch_size
-    data = encode_examples(tok, corpus.base_training(seed, n, exclude={e.prompt for e in ev}), ids["<|end|>"])
+    data = encode_examples(tok, corpus.base_training(seed, n, exclude=corpus.base_held_out(seed, eval_size)),
+                           ids["<|end|>"])
     torch.manual_seed(seed + 2)
     res = train(draft, params, data, spec.train, pad_id=ids["<pad>"], desc="draft model", progress=False,
                 on_step=on_step)

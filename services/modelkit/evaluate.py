@@ -15,6 +15,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 class EvalItem:
     prompt: str  # the user message
     expected: str  # the exact assistant answer
+    system: str = ""  # a system message before the user's (the tool eval's tools block), or none
+    tool: str | None = None  # the tool eval: the tool a right answer calls (None: it answers in text)
+
+    def messages(self) -> list[dict[str, str]]:
+        user = [{"role": "user", "content": self.prompt}]
+        return [{"role": "system", "content": self.system}, *user] if self.system else user
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +35,15 @@ class EvalScore:
 
 
 def write_eval(path: Path, items: Sequence[EvalItem]) -> None:
-    lines = (json.dumps({"prompt": i.prompt, "expected": i.expected}, ensure_ascii=False) for i in items)
+    rows = ({"prompt": i.prompt, "expected": i.expected} | ({"system": i.system, "tool": i.tool} if i.system else {})
+            for i in items)
+    lines = (json.dumps(row, ensure_ascii=False) for row in rows)
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
 def read_eval(path: Path) -> list[EvalItem]:
     rows = (json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip())
-    return [EvalItem(r["prompt"], r["expected"]) for r in rows]
+    return [EvalItem(r["prompt"], r["expected"], r.get("system", ""), r.get("tool")) for r in rows]
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -48,16 +56,16 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 def greedy_chat(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
+    conversations: Sequence[list[dict[str, str]]],
     *,
     max_new_tokens: int = 32,
     batch_size: int = 64,
 ) -> list[str]:
-    """Greedy answers to single-turn user prompts, rendered with the tokenizer's chat template."""
+    """Greedy answers to conversations that end with a user turn, rendered with the tokenizer's chat template."""
     model.eval()
     out: list[str] = []
-    for i in range(0, len(prompts), batch_size):
-        chats = [[{"role": "user", "content": p}] for p in prompts[i : i + batch_size]]
+    for i in range(0, len(conversations), batch_size):
+        chats = list(conversations[i : i + batch_size])
         enc = tokenizer.apply_chat_template(
             chats, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
         )
@@ -74,7 +82,8 @@ def greedy_chat(
     return out
 
 
-def score(model: nn.Module, tokenizer: PreTrainedTokenizerBase, items: Sequence[EvalItem]) -> EvalScore:
-    answers = greedy_chat(model, tokenizer, [i.prompt for i in items])
+def score(model: nn.Module, tokenizer: PreTrainedTokenizerBase, items: Sequence[EvalItem], *,
+          max_new_tokens: int = 32) -> EvalScore:
+    answers = greedy_chat(model, tokenizer, [i.messages() for i in items], max_new_tokens=max_new_tokens)
     correct = sum(a == i.expected for a, i in zip(answers, items))
     return EvalScore(total=len(items), correct=correct, answers=tuple(answers))

@@ -55,6 +55,7 @@ class DemoKit:
     base_dir: Path  # Hugging Face model directory
     model_name: str
     base_eval: Path
+    tools_eval: Path  # JSONL {"prompt", "expected", "system", "tool"}: `tool_choice: "auto"` (corpus.tool_eval_set)
     adapters: dict[str, DemoAdapter] = field(default_factory=dict)
     draft_dir: Path | None = None  # the speculative-decoding draft model (same tokenizer as the base)
     manifest: dict = field(default_factory=dict, compare=False, repr=False)
@@ -102,6 +103,7 @@ def _load(root: Path) -> DemoKit:
         base_dir=root / "base",
         model_name=manifest["model_name"],
         base_eval=root / "evals" / "base.jsonl",
+        tools_eval=root / "evals" / "tools.jsonl",
         adapters=adapters,
         draft_dir=root / DRAFT_DIR if "draft" in manifest else None,
         manifest=manifest,

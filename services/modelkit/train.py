@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from services.modelkit.config import TrainConfig
 from services.modelkit.corpus import Example
-from services.modelkit.tokenizer import render_prompt
+from services.modelkit.tokenizer import render_chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class TrainResult:
 def encode_examples(tok: Tokenizer, examples: Sequence[Example], end_id: int) -> list[Encoded]:
     # Prompt and answer are encoded apart: the answer's tokens are then exactly the tokens a model
     # emits after the generation prompt, which is the contract at inference.
-    prompts = tok.encode_batch([render_prompt(e.prompt) for e in examples], add_special_tokens=False)
+    prompts = tok.encode_batch([render_chat(e.messages(), add_generation_prompt=True) for e in examples], add_special_tokens=False)
     answers = tok.encode_batch([e.answer for e in examples], add_special_tokens=False)
     return [Encoded(p.ids + a.ids + [end_id], len(p.ids)) for p, a in zip(prompts, answers)]
 

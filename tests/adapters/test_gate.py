@@ -140,9 +140,11 @@ def test_a_harmless_random_adapter_passes_without_an_eval_set(gate, base_items, 
 
 
 def test_an_adapter_that_makes_the_base_subtly_worse_is_refused(gate, base_items, demo_kit, tmp_path):
-    """Random weights at the modelkit's visible-change scale: fluent output (nothing malformed), but about a
-    third of the answers change and most of those get worse — only the no-regression check can see it."""
-    result = judge(gate, random_adapter(demo_kit, tmp_path / "subtle", 1.0), base_items)
+    """Random weights near the modelkit's visible-change scale: fluent output (malformed under the 2% allowed),
+    but a fifth of the answers change and most of those get worse — only the no-regression check can see it."""
+    # x0.85: on the stop-33 kit x1.0 already leaves 3% of the answers undecodable (the tools-taught base's
+    # tokenizer splits more words into byte pieces), which the well-formedness check then sees too.
+    result = judge(gate, random_adapter(demo_kit, tmp_path / "subtle", 0.85), base_items)
     assert not result.passed
     c = codes(result)
     assert c["regression_over_tolerance"] is False and c["well_formed_ok"] and c["logits_ok"]
@@ -174,7 +176,7 @@ def test_the_demo_adapters_pass_on_their_tasks_and_overwrite_the_base_elsewhere(
     for one task is uploaded with that task's eval set (or, for the kit's own, recognised by content)."""
     for name, demo in demo_kit.adapters.items():
         task = judge(gate, Path(demo.path), read_eval_file(Path(demo.eval_path)), check=MARGIN)
-        assert task.passed, (name, task.reasons)
+        assert task.passed, (name, [r for r in task.reasons if not r["passed"]])
         assert codes(task) == {"margin_ok": True, "well_formed_ok": True, "logits_ok": True, "fp8_agreement_ok": True}
     elsewhere = judge(gate, Path(demo_kit.adapters["reverse"].path), base_items)
     assert codes(elsewhere)["regression_over_tolerance"] is False and elsewhere.metrics["regression"]["mean_drop"] > 0.5

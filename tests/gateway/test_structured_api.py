@@ -174,6 +174,50 @@ def test_streamed_tool_calls_assemble_into_the_non_streamed_call_and_round_trip(
     assert again.usage.prompt_tokens > whole_response.usage.prompt_tokens  # the call and its result were read
 
 
+def _auto_answer(client: openai.OpenAI, model: str, question: str, stream: bool) -> tuple[str | None, list]:
+    """(content, [(name, arguments)]) of a `tool_choice: auto` answer, streamed or not."""
+    kw = dict(model=model, messages=[{"role": "user", "content": question}], tools=TOOLS, temperature=0,
+              max_tokens=64)
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        assert c.finish_reason == ("tool_calls" if calls else "stop"), c
+        return c.message.content, calls
+    content, parts, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                p = parts.setdefault(d.index, ["", ""])
+                p[0] += d.function.name or ""
+                p[1] += d.function.arguments or ""
+    calls = [tuple(parts[i]) for i in sorted(parts)]
+    assert finish == ("tool_calls" if calls else "stop")
+    return content or None, calls
+
+
+def test_tool_choice_auto_through_the_sdk_decides_on_the_kits_tool_eval(stack, demo_kit, key):
+    """The kit's base model is taught to call its tools: under `auto` (the default when tools are offered) it
+    calls the right tool, with valid arguments, exactly when the held-out question is that tool's -- streamed
+    answers the same as whole ones."""
+    from services.modelkit.evaluate import read_eval
+
+    client = sdk(stack, key)
+    items = read_eval(demo_kit.tools_eval)
+    with ThreadPoolExecutor(8) as pool:
+        whole = list(pool.map(lambda it: _auto_answer(client, demo_kit.model_name, it.prompt, False), items))
+        streamed = list(pool.map(lambda it: _auto_answer(client, demo_kit.model_name, it.prompt, True), items))
+    assert streamed == whole
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    right = 0
+    for item, (content, calls) in zip(items, whole):
+        for name, arguments in calls:
+            jsonschema_rs.validate(schemas[name], json.loads(arguments))
+        right += (calls[0][0] if calls else None) == item.tool
+    assert right >= 0.8 * len(items), whole
+
+
 def test_tools_are_counted_as_prompt_tokens(stack, demo_kit, key):
     client = sdk(stack, key)
     messages = [{"role": "user", "content": "hi"}]
