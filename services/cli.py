@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
 
@@ -23,13 +24,19 @@ _GROUPS = {
 }
 
 
-def _register() -> None:
+def _register(argv: list[str]) -> None:
+    """Add the sub-command groups. `mplex <group> ...` imports that group's module only: the others pull in
+    torch, transformers and SQLAlchemy (~4 s), which a gateway, a worker or an engine launcher never uses.
+    Anything else (`--help`, `mplex up`, a test's CliRunner) gets them all."""
+    only = argv[1] if len(argv) > 1 and argv[1] in _GROUPS else None
     for name, target in _GROUPS.items():
-        module, _, attr = target.partition(":")
-        app.add_typer(getattr(importlib.import_module(module), attr or "app"), name=name)
+        if only is None or name == only:
+            module, _, attr = target.partition(":")
+            app.add_typer(getattr(importlib.import_module(module), attr or "app"), name=name)
 
 
-_register()
+if __name__ != "__mp_main__":  # a multiprocessing child re-imports the main module; it runs no command
+    _register(sys.argv)
 
 
 @app.command()

@@ -58,9 +58,10 @@ def stack(stack_env, demo_kit, tmp_path_factory, service_urls):
     s = Stack({**stack_env, **env}, tmp_path_factory.mktemp("adapter-stack-logs"))
     try:
         s.engine_proc = s.engine(demo_kit.base_dir, demo_kit.model_name, f"adapters-eng-{os.getpid()}", kv_mb=64,
-                                 max_loras=4)
-        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name)
-        s.worker_proc = s.worker("adapters.ingest,adapters.eval", env=WORKER_ENV)
+                                 max_loras=4, wait=False)
+        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name, wait=False)
+        s.worker_proc = s.worker("adapters.ingest,adapters.eval", env=WORKER_ENV, wait=False)
+        s.wait_ready(s.engine_proc, s.gw, s.worker_proc)
         _STACKS.append(s)
         yield s
         _STACKS.remove(s)

@@ -18,8 +18,9 @@ def stack(stack_env, demo_kit, tmp_path_factory):
     s = Stack(stack_env, tmp_path_factory.mktemp("batch-stack-logs"))
     s.worker_env = {"MPLEX_BASE_MODEL_DIR": str(demo_kit.base_dir), "MPLEX_BASE_MODEL_NAME": demo_kit.model_name}
     try:
-        s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"beng-{id(s) % 10000}")]
-        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name)
+        s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"beng-{id(s) % 10000}", wait=False)]
+        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name, wait=False)
+        s.wait_ready(*s.engines, s.gw)
         s.batch_worker = s.worker("batches", name="batch-worker", env=s.worker_env)
         yield s
     finally:

@@ -11,8 +11,10 @@ from tests.stack import Stack
 def stack(stack_env, demo_kit, tmp_path_factory):
     s = Stack(stack_env, tmp_path_factory.mktemp("stack-logs"))
     try:
-        s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"eng-{i}-{id(s) % 10000}") for i in range(2)]
-        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name)
+        s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"eng-{i}-{id(s) % 10000}", wait=False)
+                     for i in range(2)]
+        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name, wait=False)
+        s.wait_ready(*s.engines, s.gw)
         yield s
     finally:
         s.close()

@@ -21,10 +21,11 @@ def small_stack(stack_env, demo_kit, tmp_path_factory):
     """Two engines of two seats each, interactive budget 0.3 s: easy to saturate on a 2-core machine."""
     s = Stack(_isolated(stack_env, 5), tmp_path_factory.mktemp("fair-stack"))
     try:
-        s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"fair-eng-{i}",
+        s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"fair-eng-{i}", wait=False,
                               extra=["--max-num-seqs", "2", "--interactive-ttft-slo-s", "0.3"]) for i in range(2)]
-        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name, name="fair-gw",
+        s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name, name="fair-gw", wait=False,
                          env={"MPLEX_PLAN_WEIGHTS": '{"default": 1, "pro": 3}'})
+        s.wait_ready(*s.engines, s.gw)
         yield s
     finally:
         s.close()

@@ -156,8 +156,9 @@ def test_ledger_survives_postgres_stopping_mid_traffic(stack_env, demo_kit, db, 
     env = {**_isolated(stack_env, 4), "MPLEX_DATABASE_URL": url}
     s2 = Stack(env, tmp_path_factory.mktemp("pgfault"))
     try:
-        s2.engines = [s2.engine(demo_kit.base_dir, demo_kit.model_name, "pgfault-eng")]
-        s2.gw = s2.gateway(demo_kit.base_dir, demo_kit.model_name, name="pgfault-gw")
+        s2.engines = [s2.engine(demo_kit.base_dir, demo_kit.model_name, "pgfault-eng", wait=False)]
+        s2.gw = s2.gateway(demo_kit.base_dir, demo_kit.model_name, name="pgfault-gw", wait=False)
+        s2.wait_ready(*s2.engines, s2.gw)
         body = {"model": demo_kit.model_name, "prompt": "Hello", "max_tokens": 24, "ignore_eos": True}
 
         async def main():
@@ -199,8 +200,9 @@ def test_engine_dying_before_first_token_is_retried_elsewhere(stack_env, demo_ki
     key = make_api_key(db, tenant=tenant).secret
     s3 = Stack(_isolated(stack_env, 3), tmp_path_factory.mktemp("failover"))
     try:
-        engines = [s3.engine(demo_kit.base_dir, demo_kit.model_name, f"fo-eng-{i}") for i in range(2)]
-        s3.gw = s3.gateway(demo_kit.base_dir, demo_kit.model_name, name="fo-gw")
+        engines = [s3.engine(demo_kit.base_dir, demo_kit.model_name, f"fo-eng-{i}", wait=False) for i in range(2)]
+        s3.gw = s3.gateway(demo_kit.base_dir, demo_kit.model_name, name="fo-gw", wait=False)
+        s3.wait_ready(*engines, s3.gw)
         s3.stop(engines[0], sig=signal.SIGKILL)  # its registry entry lives on for a few seconds
         with httpx.Client(base_url=s3.gw.url, timeout=60) as c:
             for i in range(8):
@@ -222,9 +224,10 @@ def test_an_engine_refusing_the_gateways_credential_is_a_503_never_the_engines_4
     s5 = Stack({**_isolated(stack_env, 5), "MPLEX_ENGINE_TOKENS": "engine-token-of-the-engines-0123456789abc"},
                tmp_path_factory.mktemp("wrong-token"))
     try:
-        engine = s5.engine(demo_kit.base_dir, demo_kit.model_name, "wrongtok-eng")
-        s5.gw = s5.gateway(demo_kit.base_dir, demo_kit.model_name, name="wrongtok-gw",
+        engine = s5.engine(demo_kit.base_dir, demo_kit.model_name, "wrongtok-eng", wait=False)
+        s5.gw = s5.gateway(demo_kit.base_dir, demo_kit.model_name, name="wrongtok-gw", wait=False,
                            env={"MPLEX_ENGINE_TOKENS": "engine-token-of-the-gateway-0123456789abc"})
+        s5.wait_ready(engine, s5.gw)
         r = httpx.post(f"{s5.gw.url}/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
                        json={"model": demo_kit.model_name, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 503, r.text

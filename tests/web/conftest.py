@@ -99,9 +99,10 @@ def web_stack(web_dist, web_database_url, stack_env, service_urls, demo_kit, tmp
            "MPLEX_BASE_MODEL_DIR": str(kit.base_dir), "MPLEX_BASE_MODEL_NAME": kit.model_name, **GATE_ENV}
     stack = Stack(env, tmp_path_factory.mktemp("web-stack-logs"))
     try:
-        stack.engine(kit.base_dir, kit.model_name, f"web-eng-{os.getpid()}", kv_mb=64, max_loras=4)
-        stack.worker("adapters.ingest,adapters.eval,batches")
-        gw = stack.gateway(kit.base_dir, kit.model_name)
+        stack.engine(kit.base_dir, kit.model_name, f"web-eng-{os.getpid()}", kv_mb=64, max_loras=4, wait=False)
+        stack.worker("adapters.ingest,adapters.eval,batches", wait=False)
+        gw = stack.gateway(kit.base_dir, kit.model_name, wait=False)
+        stack.wait_ready(*stack.procs)
         yield WebStack(gw.url, stack, kit, seed.tenant_id, seed.api_key, web_database_url, engine)
     finally:
         stack.close()
