@@ -4,10 +4,11 @@
    every row's output must follow), greedy and sampled, fp32 on the CPU. All rows decode together for the
    whole measured window (free rows ignore eos, constrained rows follow a schema longer than the window), so
    the only difference between the runs is the grammar work: the mask fill on the grammar thread while the
-   forward runs, and the mask in the sampler. Runs alternate on fresh engines; a run's TPOT is its median
-   decode step, a fraction's TPOT its best run (the VM is shared: a neighbour's burst slows a whole run
-   severalfold), its overhead TPOT(constrained) / TPOT(free) - 1. A second table times the grammar work of one step
-   on its own, best of 200, for an estimate free of that noise.
+   forward runs, and the mask in the sampler. Each round builds one engine per fraction and steps them in
+   turn, one decode step each, the order rotating (the VM is shared: a neighbour's burst then slows every
+   fraction's steps alike); a fraction's TPOT is its median step over all rounds, its overhead
+   TPOT(constrained) / TPOT(free) - 1. A second table times the grammar work of one step on its own, best of
+   200, for an estimate free of that noise.
 2. Grammar compile time for the test schemas (tests/structured_models.py and the forced tool-call guide):
    cold (a schema never seen: each variant carries a distinct title, so a distinct content hash) and cached
    (the same guide again), p50 / p99.
@@ -43,7 +44,11 @@ def _engine(kit):
                                   scheduler=SchedulerConfig(max_num_seqs=ROWS, max_num_batched_tokens=4096)))
 
 
-def _run(kit, prompts, fraction: float, temperature: float) -> dict:
+FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def _prefilled(kit, prompts, fraction: float, temperature: float):
+    """A fresh engine with its 64 rows admitted and prefilled (`fraction` of them constrained), ready to decode."""
     from services.common.structured import GUIDE_JSON_SCHEMA, Guide
     from services.engine.sequence import SamplingParams
 
@@ -57,18 +62,29 @@ def _run(kit, prompts, fraction: float, temperature: float) -> dict:
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.num_waiting:
         engine.step()  # prefill, not measured
-    times = []
-    c0 = time.process_time()
-    for _ in range(WINDOW):
-        t0 = time.perf_counter()
-        outs = engine.step()
-        times.append(time.perf_counter() - t0)
-        assert len(outs) == ROWS and not any(o.finished for o in outs), "a row finished inside the window"
-    cpu = time.process_time() - c0  # every thread of the process: the grammar thread's work included
-    for rid in list(engine._seqs):
-        engine.abort_request(rid)
-    return {"tpot_s": pct(times, 50), "tpot_p90_s": pct(times, 90), "tok_s": ROWS * len(times) / sum(times),
-            "cpu_per_step_s": cpu / WINDOW}
+    return engine
+
+
+def _interleaved(kit, prompts, temperature: float) -> dict[float, dict]:
+    """One decode step of each fraction's engine in turn (the order rotating every step), for the whole window:
+    a neighbour's burst on this shared VM then slows the steps of every fraction alike, instead of whichever
+    run it lands in (whole runs one after another gave overheads from -28% to +40% on the same tree)."""
+    engines = {f: _prefilled(kit, prompts, f, temperature) for f in FRACTIONS}
+    times: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+    c0 = {f: 0.0 for f in FRACTIONS}
+    for step in range(WINDOW):
+        order = FRACTIONS[step % 3:] + FRACTIONS[:step % 3]
+        for f in order:
+            c = time.process_time()
+            t0 = time.perf_counter()
+            outs = engines[f].step()
+            times[f].append(time.perf_counter() - t0)
+            c0[f] += time.process_time() - c  # every thread of the process, the grammar thread's work included
+            assert len(outs) == ROWS and not any(o.finished for o in outs), "a row finished inside the window"
+    for engine in engines.values():
+        for rid in list(engine._seqs):
+            engine.abort_request(rid)
+    return {f: {"times_s": times[f], "cpu_per_step_s": c0[f] / WINDOW} for f in FRACTIONS}
 
 
 def _tpot(kit) -> tuple[list[list], dict, float]:
@@ -79,24 +95,22 @@ def _tpot(kit) -> tuple[list[list], dict, float]:
     rows, figs, overhead_100 = [], {}, float("nan")
     for temperature in (0.0, 1.0):
         mode = "greedy" if temperature == 0 else "sampled"
-        runs: dict[float, list[dict]] = {f: [] for f in (0.0, 0.5, 1.0)}
-        for rep in range(REPEATS):
-            order = (0.0, 0.5, 1.0) if rep % 2 == 0 else (1.0, 0.5, 0.0)
-            for f in order:
-                runs[f].append(_run(kit, prompts, f, temperature))
-        for f, rs in runs.items():
-            # The VM is shared and a neighbour's burst makes a run several times slower, so each fraction's
-            # TPOT is its least disturbed run (the best of REPEATS, runs interleaved across fractions), as in
-            # the other CPU benchmarks here; CPU seconds per step (all threads, the grammar thread included)
-            # are reported beside it.
-            best = min(rs, key=lambda r: r["tpot_s"])
-            fig = {"runs": rs, "tpot_ms": 1e3 * best["tpot_s"], "cpu_ms_per_step": 1e3 * best["cpu_per_step_s"],
-                   "tok_s": best["tok_s"]}
+        steps: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+        cpu: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+        for _ in range(REPEATS):  # fresh engines each round
+            for f, r in _interleaved(kit, prompts, temperature).items():
+                steps[f] += r["times_s"]
+                cpu[f].append(r["cpu_per_step_s"])
+        # TPOT: the median decode step over every round, all fractions timed step by step in turn.
+        free = pct(steps[0.0], 50)
+        for f in FRACTIONS:
+            tpot = pct(steps[f], 50)
+            over = 100 * (tpot / free - 1)
+            fig = {"tpot_ms": 1e3 * tpot, "tpot_p90_ms": 1e3 * pct(steps[f], 90),
+                   "cpu_ms_per_step": 1e3 * min(cpu[f]), "tok_s": ROWS / tpot, "steps": len(steps[f])}
+            if f:
+                fig["tpot_overhead_pct"] = over
             figs[f"{mode}_{int(f * 100)}pct"] = fig
-        free = figs[f"{mode}_0pct"]["tpot_ms"]
-        for f in runs:
-            fig = figs[f"{mode}_{int(f * 100)}pct"]
-            fig["tpot_overhead_pct"] = over = 100 * (fig["tpot_ms"] / free - 1)
             rows.append([mode, f"{int(f * 100)}%", fig["tpot_ms"], fig["cpu_ms_per_step"], fig["tok_s"],
                          over if f else float("nan")])
             if f == 1.0:
@@ -290,7 +304,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("MPLEX_BENCH_THREADS", "2")))
     kit = ensure_demo()
     tpot_rows, tpot, overhead = _tpot(kit)
-    print(table(f"decode step, {ROWS} rows, {WINDOW} steps, {REPEATS} paired runs",
+    print(table(f"decode step, {ROWS} rows, {WINDOW} steps x {REPEATS} rounds, fractions interleaved step by step",
                 ["mode", "constrained", "TPOT ms", "CPU ms/step", "tok/s", "TPOT overhead %"], tpot_rows))
     comp_rows, comp_figs = _components(kit)
     print(table(f"grammar work of one {ROWS}-row step, best of 200", ["part", "ms"], comp_rows))
