@@ -269,6 +269,7 @@ def _auto(kit) -> tuple[list[list], dict]:
     from services.common.openai_serving import plan_request
     from services.common.prompting import PromptBuilder
     from services.common.tool_calls import split_output
+    from services.modelkit.build import TOOL_EVAL_TOKENS, tool_decisions
     from services.modelkit.corpus import DEMO_TOOLS
     from services.modelkit.evaluate import read_eval
 
@@ -278,22 +279,18 @@ def _auto(kit) -> tuple[list[list], dict]:
     prompts, params = [], []
     for item in items:
         req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": item.prompt}], tools=DEMO_TOOLS,
-                                    temperature=0, max_tokens=64)
+                                    temperature=0, max_tokens=TOOL_EVAL_TOKENS)
         job = plan_request("chat", req, builder, engine.max_model_len).jobs[0]
         assert job.prompt_ids == builder.chat_ids(item.messages()), "the eval's tools block is not the server's"
         prompts.append(job.prompt_ids)
         params.append(job.params)
-    outs = engine.generate(prompts, params)
-    right = called = 0
-    for item, out in zip(items, outs):
-        _, calls = split_output(builder.tokenizer.decode(out))
-        got = calls[0].name if calls else None
-        called += got is not None
-        right += got == item.tool
+    texts = [builder.tokenizer.decode(out) for out in engine.generate(prompts, params)]
+    accuracy = tool_decisions(texts, items)  # the kit build's own rule
+    called = sum(bool(split_output(t)[1]) for t in texts)
     figs = {"items": len(items), "should_call": sum(i.tool is not None for i in items), "called": called,
-            "correct": right, "accuracy": right / len(items),
+            "correct": round(accuracy * len(items)), "accuracy": accuracy,
             "hf_build_time": kit.manifest["base"]["tools"]["decision_accuracy"]}
-    return [[len(items), figs["should_call"], called, right, figs["accuracy"], figs["hf_build_time"]]], figs
+    return [[len(items), figs["should_call"], called, figs["correct"], accuracy, figs["hf_build_time"]]], figs
 
 
 def main() -> None:
