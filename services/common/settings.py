@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     # Gateway behaviour.
     redis_fail_open: bool = False  # Redis down: False -> 503 (quotas unenforceable); True -> serve unmetered by quota
     key_cache_ttl_s: float = Field(10.0, gt=0, le=300)  # upper bound on how long a revoked key keeps working
+    # An engine that refused a tenant's class as overloaded is not asked again for it for the shorter of its
+    # Retry-After and this (services.gateway.router.Router.refused); while every engine holds one, the gateway
+    # refuses that tenant's class itself, before a quota reservation.
+    refusal_hold_s: float = Field(0.25, ge=0, le=30)
     # Request size limits of the gateway and engines (services.common.http_limits): 413 / 431 past them.
     max_request_bytes: int = Field(4 * 2**20, ge=64 * 2**10)
     max_header_bytes: int = Field(32 * 2**10, ge=8 * 2**10)

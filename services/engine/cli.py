@@ -49,6 +49,9 @@ def serve(
                                   "(0: the HTTP server shares the core's process, as before the split)"),
     core_threads: int = typer.Option(0, min=0, help="torch threads of the engine core (0: torch's default, "
                                      "which follows OMP_NUM_THREADS)"),
+    core_nice: int = typer.Option(5, min=0, max=19, help="CPU niceness of the engine core, which also runs at "
+                                  "SCHED_BATCH (0: neither): the step loop is throughput work and yields the CPU to "
+                                  "the front-ends, the gateway and Redis, which answer within milliseconds"),
     async_scheduling: bool = typer.Option(False, help="Schedule and build step N+1's inputs while step N's forward "
                                           "runs, post-process step N during step N+1 (token-identical outputs)"),
     speculative: str = typer.Option("off", help="Speculative decoding (lossless, adaptive per sequence and to load): "
@@ -73,7 +76,8 @@ def serve(
     config = _engine_config(dict(locals()), settings)
     _check_kv_gate(settings.home, model, dtype, weight_dtype, kv_dtype, skip_kv_gate)
     if frontends:
-        _run_split(config, settings, host, port, advertise_url, redis_url, log_level, frontends, core_threads)
+        _run_split(config, settings, host, port, advertise_url, redis_url, log_level, frontends, core_threads,
+                   core_nice)
     else:
         _run(config, settings, host, port, advertise_url, redis_url, log_level)
 
@@ -125,7 +129,7 @@ def _advertised(host: str, port: int, advertise_url: str | None) -> str:
 
 
 def _run_split(config, settings, host: str, port: int, advertise_url: str | None, redis_url: str | None,
-               log_level: str, frontends: int, core_threads: int) -> None:
+               log_level: str, frontends: int, core_threads: int, core_nice: int) -> None:
     from services.common.internal_auth import engine_tokens
     from services.common.logging import configure
     from services.engine.launcher import FrontendSpec, serve
@@ -135,18 +139,21 @@ def _run_split(config, settings, host: str, port: int, advertise_url: str | None
                         advertise_url=_advertised(host, port, advertise_url), max_body_bytes=settings.max_request_bytes,
                         max_header_bytes=settings.max_header_bytes, uvicorn=_uvicorn_options(log_level),
                         log_level=log_level)
-    raise typer.Exit(serve(config, spec, host=host, port=port, frontends=frontends, core_threads=core_threads))
+    raise typer.Exit(serve(config, spec, host=host, port=port, frontends=frontends, core_threads=core_threads,
+                           core_nice=core_nice))
 
 
 def _run(config, settings, host: str, port: int, advertise_url: str | None, redis_url: str | None, log_level: str) -> None:
     import uvicorn
 
+    from services.common.gc_tuning import service_process
     from services.common.internal_auth import engine_tokens
     from services.common.logging import configure
     from services.engine.async_engine import AsyncEngine
     from services.engine.engine import LLMEngine
     from services.engine.server import create_app
 
+    service_process()
     log_config = configure("engine", log_level)
     url = _advertised(host, port, advertise_url)
     # If the step loop ever stops (its state could not be trusted after an error), the process exits so

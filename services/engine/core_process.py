@@ -236,14 +236,20 @@ def _reply(msg: Call, fn, engine: LLMEngine) -> CallReply:
         return CallReply(msg.call_id, None, ErrorInfo.of(exc))
 
 
-def run_core(config, address: str, num_threads: int, log_level: str) -> None:
-    """The core process's entry point (spawned by services.engine.launcher)."""
+def run_core(config, address: str, num_threads: int, log_level: str, nice: int = 0) -> None:
+    """The core process's entry point (spawned by services.engine.launcher). `nice` > 0: the core runs at that
+    niceness and SCHED_BATCH, set before torch starts its threads (they inherit it; cpu_priority.py)."""
+    from services.common.cpu_priority import lower_cpu_priority
+    from services.common.gc_tuning import freeze_startup_heap, service_process
     from services.common.logging import configure
 
     from services.engine.process_life import die_with_parent
 
     die_with_parent()
+    service_process()
     configure("engine", log_level)
+    if nice:
+        lower_cpu_priority(nice, batch_policy=True, who="engine core")
     import torch
 
     if num_threads > 0:
@@ -254,6 +260,7 @@ def run_core(config, address: str, num_threads: int, log_level: str) -> None:
         core.engine.tp.exit_on_failure = True
     log.info("engine core ready in %.1f s: %d torch threads, pid %d", time.perf_counter() - t0,
              torch.get_num_threads(), os.getpid())
+    freeze_startup_heap()  # the loaded engine's objects never become garbage: full collections skip them
 
     def _stop(*_):
         core.stop = True

@@ -45,11 +45,13 @@ def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
     die_with_parent()
     import uvicorn
 
+    from services.common.gc_tuning import service_process
     from services.common.http_limits import http_protocol
     from services.common.logging import configure
     from services.engine.core_client import CoreClient
     from services.engine.server import create_app
 
+    service_process()
     log_config = configure("engine", spec.log_level)
     app = create_app(CoreClient(spec.address, f"frontend-{index}"), engine_tokens=spec.engine_tokens,
                      registry_url=spec.registry_url if index == 0 else None, advertise_url=spec.advertise_url,
@@ -58,7 +60,8 @@ def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends: int, core_threads: int) -> int:
+def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends: int, core_threads: int,
+          core_nice: int = 0) -> int:
     """Start the core and the front-ends and supervise them; returns the exit status."""
     from services.engine.core_process import run_core
 
@@ -69,7 +72,7 @@ def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends:
     ctx = multiprocessing.get_context("spawn")
     run_dir = tempfile.mkdtemp(prefix="mplex-engine-")
     spec = _with_address(spec, f"ipc://{run_dir}/core.sock")
-    core = ctx.Process(target=run_core, args=(engine_config, spec.address, core_threads, spec.log_level),
+    core = ctx.Process(target=run_core, args=(engine_config, spec.address, core_threads, spec.log_level, core_nice),
                        name="engine-core", daemon=False)
     core.start()
     sock = _listen(host, port)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage,
                                         check_wire_version)
+from services.common.gc_tuning import freeze_startup_heap
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from services.common.internal_auth import InternalAuthMiddleware
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
@@ -134,6 +135,7 @@ class EngineServer:
             from services.engine.registry import heartbeat
 
             beat = asyncio.create_task(heartbeat(self.engine, self.registry_url, self.advertise_url, self.stop_heartbeat))
+        freeze_startup_heap()
         yield
         self.stop_heartbeat.set()  # leave the registry first so the gateway stops routing here, then drain
         if beat is not None:

@@ -16,6 +16,9 @@ def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level
     from services.common.settings import get_settings
     from services.gateway.app import create_app
 
+    from services.common.gc_tuning import service_process
+
+    service_process()
     log_config = configure("gateway", log_level)
     settings = get_settings()
     server = dict(host=host, port=port, log_level=log_level, log_config=log_config,

@@ -82,8 +82,15 @@ class Router:
     # as overloaded is not asked again for that class for a moment; when every engine is held, the gateway
     # refuses at once. Per tenant: the engine's estimate depends on the tenant's share (another tenant may
     # be under its share and admitted).
+    # When a hold ends, the first request asks the engine again (a probe) and the others stay held for up to
+    # `refusal_probe_s` while it is out: an engine still overloaded answers within milliseconds and is held
+    # again, so a flood does not send every request of the moment to it (each then waiting on a quota
+    # reservation and an engine exchange under full load); one that took the probe answers only with its first
+    # token, so after that moment the others go too.
     refusal_hold_s: float = 0.25
-    refusals: dict[tuple[str, str, str], tuple[float, int]] = field(default_factory=dict)
+    refusal_probe_s: float = 0.05
+    # key -> (held until, Retry-After, probe out until or None)
+    refusals: dict[tuple[str, str, str], tuple[float, int, float | None]] = field(default_factory=dict)
 
     def load(self, e: EngineInfo) -> int:
         return e.running + e.waiting + self.inflight.get(e.id, 0)
@@ -153,18 +160,38 @@ class Router:
         and `refusal_hold_s` (its estimate changes as its steps run; a hold of seconds would over-refuse)."""
         now = self.clock()
         if len(self.refusals) > 4096:  # bounded: drop expired holds
-            self.refusals = {k: v for k, v in self.refusals.items() if v[0] > now}
-        self.refusals[(engine_id, tenant, priority)] = (now + min(self.refusal_hold_s, retry_after), retry_after)
+            self.refusals = {k: v for k, v in self.refusals.items() if self._held(k, now) is not None}
+        self.refusals[(engine_id, tenant, priority)] = (now + min(self.refusal_hold_s, retry_after), retry_after, None)
 
-    def holding(self, engine_id: str, tenant: str, priority: str) -> int | None:
-        """The Retry-After of a refusal still held for this engine, tenant and class; else None."""
-        hold = self.refusals.get((engine_id, tenant, priority))
+    def _held(self, key: tuple[str, str, str], now: float) -> int | None:
+        hold = self.refusals.get(key)
         if hold is None:
             return None
-        if hold[0] <= self.clock():
-            del self.refusals[(engine_id, tenant, priority)]
-            return None
-        return hold[1]
+        until, retry_after, probe_until = hold
+        return retry_after if now < until or (probe_until is not None and now < probe_until) else None
+
+    def holding(self, engine_id: str, tenant: str, priority: str) -> int | None:
+        """The Retry-After of a refusal still held for this engine, tenant and class; else None -- the first
+        caller after a hold ends is the probe (the others are held while it is out, refusal_probe_s)."""
+        key, now = (engine_id, tenant, priority), self.clock()
+        held = self._held(key, now)
+        if held is not None:
+            return held
+        hold = self.refusals.pop(key, None)
+        if hold is not None and hold[2] is None:  # the hold just ended: this request probes
+            self.refusals[key] = (hold[0], hold[1], now + self.refusal_probe_s)
+        return None
+
+    def held_everywhere(self, engine_ids: list[str], tenant: str, priority: str) -> int | None:
+        """The soonest Retry-After when every one of these engines holds a refusal of this tenant's class, else
+        None: such a request is refused before it costs a quota reservation or an engine exchange."""
+        soonest, now = None, self.clock()
+        for engine_id in engine_ids:
+            held = self._held((engine_id, tenant, priority), now)  # looks only: the request's own walk probes
+            if held is None:
+                return None
+            soonest = held if soonest is None else min(soonest, held)
+        return soonest
 
     def breaker_states(self) -> dict[str, str]:
         now = self.clock()

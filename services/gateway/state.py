@@ -97,7 +97,7 @@ def build_gateway(settings: Settings, *, database_url: str, redis_url: str, base
         key_auth=KeyAuth(redis, session_factory, settings.secret(), settings.key_cache_ttl_s),
         quotas=Quotas(redis, fail_open=settings.redis_fail_open, month_usage=month_usage),
         registry=Registry(redis),
-        router=Router(),
+        router=Router(refusal_hold_s=settings.refusal_hold_s),
         resolver=ModelResolver(session_factory, [BaseModelInfo.from_dir(settings.base_model_name, base_model_dir)]),
         meter=Meter(session_factory, settings.home / "spool", metrics),
         http=aiohttp.ClientSession(

@@ -183,6 +183,12 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
     try:
         wait_ok()
         core, frontend = _pids(tmp_path / "engine.log")
+        # The core is throughput work (`--core-nice`, default 5, and SCHED_BATCH, set before torch starts its
+        # threads); the front-end answers requests and keeps the launcher's priority.
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, core) == max(ours, 5) and os.sched_getscheduler(core) == os.SCHED_BATCH
+        assert all(os.getpriority(os.PRIO_PROCESS, int(t)) == max(ours, 5) for t in os.listdir(f"/proc/{core}/task"))
+        assert os.getpriority(os.PRIO_PROCESS, frontend) == ours and os.sched_getscheduler(frontend) == os.SCHED_OTHER
         os.kill(frontend, signal.SIGKILL)
         time.sleep(0.5)
         wait_ok()

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import make_api_key, make_tenant
@@ -24,7 +25,9 @@ def small_stack(stack_env, demo_kit, tmp_path_factory):
         s.engines = [s.engine(demo_kit.base_dir, demo_kit.model_name, f"fair-eng-{i}", wait=False,
                               extra=["--max-num-seqs", "2", "--interactive-ttft-slo-s", "0.3"]) for i in range(2)]
         s.gw = s.gateway(demo_kit.base_dir, demo_kit.model_name, name="fair-gw", wait=False,
-                         env={"MPLEX_PLAN_WEIGHTS": '{"default": 1, "pro": 3}'})
+                         # A refusal held for its whole Retry-After (not 0.25 s): the test reads the ledger between
+                         # two requests of the flooding tenant.
+                         env={"MPLEX_PLAN_WEIGHTS": '{"default": 1, "pro": 3}', "MPLEX_REFUSAL_HOLD_S": "30"})
         s.wait_ready(*s.engines, s.gw)
         yield s
     finally:
@@ -40,6 +43,11 @@ def _metric(stack, name: str, **labels) -> float:
                 if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                     total += sample.value
     return total
+
+
+def _evalsha_calls(stack) -> int:
+    info = redis.Redis.from_url(stack.env["MPLEX_REDIS_URL"]).info("commandstats")
+    return int(info.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 def test_a_flooding_tenant_is_refused_early_while_another_tenant_is_served(small_stack, demo_kit, db):
@@ -66,14 +74,24 @@ def test_a_flooding_tenant_is_refused_early_while_another_tenant_is_served(small
                                                                "x-client-request-id": "fair-refused-1"},
                                    json={"model": demo_kit.model_name, "prompt": "one more", "max_tokens": 4})
             refused_s = time.perf_counter() - t0
+            # Every engine refused this tenant a moment ago: its next request is refused by the gateway itself --
+            # no engine asked, no quota reservation (Redis EVALSHA: reserve and settle) -- and still metered.
+            await asyncio.to_thread(_rows, db, ["fair-refused-1"])  # the first refusal's settle is done
+            shed, evals = _metric(s, "mplex_engine_shed_total", priority="interactive"), _evalsha_calls(s)
+            again = await c.post("/v1/completions", headers={"authorization": f"Bearer {flood_key}",
+                                                             "x-client-request-id": "fair-refused-2"},
+                                 json={"model": demo_kit.model_name, "prompt": "and one more", "max_tokens": 4})
+            await asyncio.to_thread(_rows, db, ["fair-refused-2"])
+            held = (again, _metric(s, "mplex_engine_shed_total", priority="interactive") - shed,
+                    _evalsha_calls(s) - evals)
             served = await c.post("/v1/completions", headers={"authorization": f"Bearer {calm_key}"},
                                   json={"model": demo_kit.model_name, "prompt": "Hello", "max_tokens": 4})
             for t in flood:
                 t.cancel()
             await asyncio.gather(*flood, return_exceptions=True)
-            return refused, refused_s, served
+            return refused, refused_s, held, served
 
-    refused, refused_s, served = asyncio.run(main())
+    refused, refused_s, held, served = asyncio.run(main())
     assert refused.status_code == 503, refused.text
     err = refused.json()["error"]
     assert err["code"] == "engine_overloaded" and int(refused.headers["retry-after"]) >= 1
@@ -83,6 +101,13 @@ def test_a_flooding_tenant_is_refused_early_while_another_tenant_is_served(small
     # Answered before its ledger row was written (gateway: finalize after the response): the row still lands,
     # unbilled, with the refusal's status and code.
     rows = _rows(db, ["fair-refused-1"])["fair-refused-1"]
+    assert [(r.http_status, r.error_code, r.prompt_tokens + r.completion_tokens) for r in rows] == [
+        (503, "engine_overloaded", 0)]
+    again, shed_delta, evalsha_delta = held
+    assert again.status_code == 503 and again.json()["error"]["code"] == "engine_overloaded", again.text
+    assert 1 <= int(again.headers["retry-after"]) <= int(refused.headers["retry-after"])
+    assert (shed_delta, evalsha_delta) == (0, 0)
+    rows = _rows(db, ["fair-refused-2"])["fair-refused-2"]
     assert [(r.http_status, r.error_code, r.prompt_tokens + r.completion_tokens) for r in rows] == [
         (503, "engine_overloaded", 0)]
     print(f"\n[fairness] the flooding tenant's extra request refused in {refused_s * 1000:.0f} ms")

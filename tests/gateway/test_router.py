@@ -62,8 +62,37 @@ def test_an_overload_refusal_is_held_per_engine_tenant_and_class_for_a_moment():
     assert r.holding("e1", "tenant-a", "interactive") is None
     assert r.holding("e0", "tenant-b", "interactive") is None
     assert r.holding("e0", "tenant-a", "batch") is None
-    now[0] += 0.26  # held for the shorter of the hold and Retry-After, then asked again
+    now[0] += 0.26  # held for the shorter of the hold and Retry-After, then asked again -- by one request first
+    assert r.holding("e0", "tenant-a", "interactive") is None  # the probe
+    assert r.holding("e0", "tenant-a", "interactive") == 3  # the others wait a moment for its answer
+    r.refused("e0", "tenant-a", "interactive", retry_after=2)  # still overloaded: held again
+    assert r.holding("e0", "tenant-a", "interactive") == 2
+    now[0] += 0.26
+    assert r.holding("e0", "tenant-a", "interactive") is None  # the next probe, which the engine takes:
+    now[0] += 0.049
+    assert r.holding("e0", "tenant-a", "interactive") == 2
+    now[0] += 0.002  # no refusal within the probe's moment: everyone asks again
     assert r.holding("e0", "tenant-a", "interactive") is None and not r.refusals
+    assert r.holding("e0", "tenant-a", "interactive") is None
+
+
+def test_a_request_is_held_everywhere_only_while_every_engine_holds_its_tenants_class():
+    now = [100.0]
+    r = Router(clock=lambda: now[0], refusal_hold_s=0.25)
+    assert r.held_everywhere([], "tenant-a", "interactive") is None  # no engine: not an overload refusal
+    r.refused("e0", "tenant-a", "interactive", retry_after=3)
+    assert r.held_everywhere(["e0", "e1"], "tenant-a", "interactive") is None  # e1 would still be asked
+    r.refused("e1", "tenant-a", "interactive", retry_after=2)
+    assert r.held_everywhere(["e0", "e1"], "tenant-a", "interactive") == 2  # the soonest Retry-After
+    assert r.held_everywhere(["e0", "e1"], "tenant-b", "interactive") is None
+    assert r.held_everywhere(["e0", "e1"], "tenant-a", "batch") is None
+    assert r.held_everywhere(["e0", "e1", "e2"], "tenant-a", "interactive") is None  # a new engine joined
+    now[0] += 0.26  # the holds ended: the request walks the engines (and probes them), nothing refuses it here
+    assert r.held_everywhere(["e0", "e1"], "tenant-a", "interactive") is None
+    assert r.holding("e0", "tenant-a", "interactive") is None  # it probes e0: held_everywhere claimed nothing
+    assert r.held_everywhere(["e0", "e1"], "tenant-a", "interactive") is None  # e1 is free to ask
+    assert r.holding("e1", "tenant-a", "interactive") is None
+    assert r.held_everywhere(["e0", "e1"], "tenant-a", "interactive") == 2  # both probes out: held a moment
 
 
 def test_when_every_engine_holds_a_refusal_the_gateway_refuses_without_asking():

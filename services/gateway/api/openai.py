@@ -179,12 +179,25 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     client_id = request.headers.get("x-client-request-id") or request.headers.get("x-request-id")
     client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
     bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
+    engines = await gw.registry.engines(resolved.base.name)
+    held = gw.router.held_everywhere([e.id for e in engines], str(principal.tenant_id), req.priority_class.name.lower())
+    if held is not None:
+        # Every engine refused this tenant's class as overloaded a moment ago (Router.refused): refused here,
+        # before a quota reservation (two Redis round trips) or any engine exchange -- under overload these
+        # refusals come in floods and each must be quick and cheap. Metered after the response, like any refusal.
+        call = Call(gw, principal, resolved, plan, None, request_id, client_id, accepted_at, t0,
+                    [StreamResult() for _ in plan.jobs])
+        exc = NoEngineAvailable("every engine serving this model refused this tenant's requests as overloaded just now",
+                                code="engine_overloaded", retry_after=held)
+        err = as_api_error(exc, gw)
+        err.background = BackgroundTask(call.finalize, *failure(exc))
+        raise err
     reservation = await _reserve(gw, principal, plan, request_id)
     call = Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
                  [StreamResult() for _ in plan.jobs])
     headers = {"x-request-id": request_id, **reservation.headers}
     try:
-        items = merge(await open_streams(call, req))
+        items = merge(await open_streams(call, req, engines))
         first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
         clamped = next((r.clamped_max_tokens for r in call.results if r.clamped_max_tokens), None)
         if clamped:  # the engine clamped this batch-class request's max_tokens under overload
@@ -236,10 +249,11 @@ async def _reserve(gw, principal, plan: OpenAIPlan, request_id: str) -> Reservat
                                       code="quota_unavailable") from None
 
 
-async def open_streams(call: Call, req) -> list[AsyncIterator]:
+async def open_streams(call: Call, req, engines: list | None = None) -> list[AsyncIterator]:
     """One engine stream per choice, each trying the engines in the router's order for this request."""
     gw, plan, principal = call.gw, call.plan, call.principal
-    engines = await gw.registry.engines(call.resolved.base.name)
+    if engines is None:
+        engines = await gw.registry.engines(call.resolved.base.name)
     if not engines:
         raise NoEngineAvailable(f"no engine is serving {call.resolved.base.name}")
     adapter = call.resolved.adapter

@@ -1,0 +1,31 @@
+"""Background work yields the CPU to latency-critical work on the same machine.
+
+Linux niceness (and the scheduling policy) is per thread and inherited by the threads that thread starts
+afterwards, so a process or run lowers its priority on the thread that will start its workers (torch's
+OpenMP team, an event loop's executor), before they exist. Used by the engine core (the step loop is
+throughput work: the gateway, the engine's front-ends and Redis answer requests within milliseconds and must
+not queue behind a forward for the CPU) and by the batch runner (a batch yields to interactive serving).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def lower_cpu_priority(nice: int, *, batch_policy: bool = False, who: str = "this thread") -> None:
+    """Raise this thread's niceness to at least `nice` (0: leave it) and, with `batch_policy`, move it to
+    SCHED_BATCH (CPU-bound: it never preempts another thread when it wakes). Threads started afterwards
+    inherit both. Where the OS refuses, the thread keeps its priority (logged)."""
+    if not nice and not batch_policy:
+        return
+    tid = threading.get_native_id()
+    try:
+        if nice and hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+        if batch_policy and hasattr(os, "SCHED_BATCH"):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0 = the calling thread
+    except OSError as exc:
+        log.warning("%s: could not lower its CPU priority (%s)", who, exc)

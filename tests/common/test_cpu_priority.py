@@ -1,0 +1,49 @@
+"""Background work is background for the OS: a batch run's thread and the threads it starts run at
+`batch_cpu_nice` (the worker thread that started the run keeps its priority), and the engine core runs
+niced at SCHED_BATCH (services/common/cpu_priority.py; the core's own process: tests/engine/test_split.py)."""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from services.common.cpu_priority import lower_cpu_priority
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _policy() -> int:
+    return os.sched_getscheduler(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is a Linux feature")
+def test_the_run_and_its_threads_are_niced_and_the_worker_thread_is_not():
+    before = _nice()
+
+    def run() -> tuple[int, int]:
+        lower_cpu_priority(before + 7)
+        with ThreadPoolExecutor(1) as inner:  # as asyncio.to_thread's workers, started by the run's thread
+            return _nice(), inner.submit(_nice).result()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(run).result() == (before + 7, before + 7)
+    assert _nice() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux feature")
+def test_the_batch_policy_is_per_thread_and_inherited_and_niceness_never_drops():
+    before, policy = _nice(), _policy()
+
+    def run() -> tuple:
+        lower_cpu_priority(before + 3, batch_policy=True)
+        lower_cpu_priority(before + 1)  # a lower niceness asked later does not raise the priority back
+        with ThreadPoolExecutor(1) as inner:
+            return (_nice(), _policy()), inner.submit(lambda: (_nice(), _policy())).result()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(run).result() == ((before + 3, os.SCHED_BATCH),) * 2
+    assert (_nice(), _policy()) == (before, policy)

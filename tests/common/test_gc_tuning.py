@@ -1,0 +1,26 @@
+"""Only a service's own process freezes its start-up heap (services/common/gc_tuning.py): an app built in
+another process -- a test's in-process gateway -- leaves that process's collector alone."""
+from __future__ import annotations
+
+import gc
+import multiprocessing
+
+
+def _frozen_after_startup(as_service: bool) -> int:
+    from services.common import gc_tuning
+
+    if as_service:
+        gc_tuning.service_process()
+    gc_tuning.freeze_startup_heap()
+    return gc.get_freeze_count()
+
+
+def _in_child(as_service: bool) -> int:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_frozen_after_startup, (as_service,))
+
+
+def test_a_service_process_freezes_its_heap_and_any_other_process_does_not():
+    assert _in_child(as_service=True) > 10_000  # the interpreter, the modules: all of it skipped from now on
+    assert _in_child(as_service=False) == 0
+    assert gc.get_freeze_count() == 0  # and this (test) process never froze
