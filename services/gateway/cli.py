@@ -11,12 +11,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level
     """Serve the OpenAI API, the management API and the web app."""
     import uvicorn
 
+    from services.common.gc_tuning import service_process
     from services.common.http_limits import http_protocol
     from services.common.logging import configure
     from services.common.settings import get_settings
     from services.gateway.app import create_app
-
-    from services.common.gc_tuning import service_process
 
     service_process()
     log_config = configure("gateway", log_level)

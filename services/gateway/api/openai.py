@@ -180,23 +180,18 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
     bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
     engines = await gw.registry.engines(resolved.base.name)
+    # Every engine refused this tenant's class as overloaded a moment ago (Router.refused): the request is refused
+    # below like any other that no engine took, but without a quota reservation (two Redis round trips) or an
+    # engine exchange -- under overload these refusals come in floods and each must be quick and cheap.
     held = gw.router.held_everywhere([e.id for e in engines], str(principal.tenant_id), req.priority_class.name.lower())
-    if held is not None:
-        # Every engine refused this tenant's class as overloaded a moment ago (Router.refused): refused here,
-        # before a quota reservation (two Redis round trips) or any engine exchange -- under overload these
-        # refusals come in floods and each must be quick and cheap. Metered after the response, like any refusal.
-        call = Call(gw, principal, resolved, plan, None, request_id, client_id, accepted_at, t0,
-                    [StreamResult() for _ in plan.jobs])
-        exc = NoEngineAvailable("every engine serving this model refused this tenant's requests as overloaded just now",
-                                code="engine_overloaded", retry_after=held)
-        err = as_api_error(exc, gw)
-        err.background = BackgroundTask(call.finalize, *failure(exc))
-        raise err
-    reservation = await _reserve(gw, principal, plan, request_id)
+    reservation = None if held is not None else await _reserve(gw, principal, plan, request_id)
     call = Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
                  [StreamResult() for _ in plan.jobs])
-    headers = {"x-request-id": request_id, **reservation.headers}
+    headers = {"x-request-id": request_id, **(reservation.headers if reservation is not None else {})}
     try:
+        if held is not None:
+            raise NoEngineAvailable("every engine serving this model refused this tenant's requests as overloaded "
+                                    "just now", code="engine_overloaded", retry_after=held)
         items = merge(await open_streams(call, req, engines))
         first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
         clamped = next((r.clamped_max_tokens for r in call.results if r.clamped_max_tokens), None)
