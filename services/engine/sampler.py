@@ -59,6 +59,12 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
 
 
+# Reported logprobs of tokens a grammar mask or a `min_tokens` ban made impossible (-inf): JSON has no
+# infinity, and a response must not fail on it (a constrained row asked for more alternatives than it has legal
+# tokens did). vLLM reports the same floor. Sampling itself still sees -inf.
+LOGPROB_FLOOR = -9999.0
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [B, V] float32 -> one token per row."""
     if batch.bitmask is not None:
@@ -72,7 +78,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = torch.where(batch.temperature == 0, greedy_tokens, _sample_random(logits, batch))
     out = SamplerOutput(token_ids=tokens.tolist())
     if batch.num_logprobs >= 0:
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(logits, dim=-1).clamp_min(LOGPROB_FLOOR)
         out.logprobs = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
         if batch.num_logprobs > 0:
             vals, ids = logp.topk(batch.num_logprobs, dim=-1)

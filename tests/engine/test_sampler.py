@@ -1,7 +1,9 @@
 """Sampler: greedy, filters, seeded reproducibility independent of batch mates, logprobs, bans."""
+import json
+
 import torch
 
-from services.engine.sampler import SamplingBatch, sample, uniform_from
+from services.engine.sampler import LOGPROB_FLOOR, SamplingBatch, sample, uniform_from
 
 
 def make_batch(n, temperature=1.0, top_p=1.0, top_k=0, seeds=None, counters=None, **kw) -> SamplingBatch:
@@ -84,6 +86,19 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     for i, tok in enumerate(out.token_ids):
         assert abs(out.logprobs[i] - ref[i, tok].item()) < 1e-6
         assert out.top_ids[i] == ref[i].topk(4).indices.tolist()
+
+
+def test_impossible_tokens_are_reported_at_the_floor_so_any_response_encodes():
+    """More alternatives asked than a row has possible tokens (a banned token here; a grammar mask the same):
+    the impossible ones are reported at LOGPROB_FLOOR, not -inf, which JSON cannot encode (`make fuzz` found
+    an engine 500 on json_object + top_logprobs)."""
+    logits = torch.zeros(2, 3)
+    batch = make_batch(2, temperature=0, num_logprobs=3, banned_rows=torch.tensor([0, 0]),
+                       banned_cols=torch.tensor([0, 1]))
+    out = sample(logits, batch)
+    assert out.token_ids[0] == 2 and out.logprobs[0] == 0.0
+    assert out.top_ids[0][0] == 2 and sorted(out.top_logprobs[0][1:]) == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    json.dumps({"logprobs": out.logprobs, "top": out.top_logprobs}, allow_nan=False)  # encodes
 
 
 def test_banned_tokens_are_never_sampled():

@@ -21,6 +21,7 @@ from services.common.structured import (GUIDE_JSON_OBJECT, GUIDE_JSON_SCHEMA, GU
 from services.common.tool_calls import split_output
 from services.common.wire import InvalidRequest
 from services.engine.grammar import MaskFiller
+from services.engine.sampler import LOGPROB_FLOOR
 from services.engine.sequence import AdapterRef, SamplingParams
 from tests.engine.conftest import make_engine, run_all
 from tests.fuzzing import json_schemas
@@ -91,13 +92,13 @@ def test_seeded_constrained_sampling_is_reproducible_and_logprobs_see_the_mask(d
         for o in engine.step():
             lps += o.logprobs or []
     # The first token must open the object ('{' or a merge such as '{"'): those few tokens hold all the mass,
-    # every other token is masked to -inf.
+    # every other token is masked, reported at the floor (JSON has no -inf).
     first = lps[0]
-    legal = [(t, lp) for t, lp in first.top if lp > float("-inf")]
+    legal = [(t, lp) for t, lp in first.top if lp > LOGPROB_FLOOR]
     assert legal and all(builder.tokenizer.decode([t]).startswith("{") for t, _ in legal)
-    assert all(not builder.tokenizer.decode([t]).startswith("{") for t, lp in first.top if lp == float("-inf"))
+    assert all(not builder.tokenizer.decode([t]).startswith("{") for t, lp in first.top if lp == LOGPROB_FLOOR)
     assert sum(math.exp(lp) for _, lp in legal) == pytest.approx(1.0, abs=1e-5)
-    assert first.logprob > float("-inf")
+    assert first.logprob > LOGPROB_FLOOR
 
 
 def test_preemption_chunked_prefill_and_prefix_hits(demo_kit, builder, chat):
