@@ -169,6 +169,73 @@ def run(base: str, kit, key_i: str, key_b: str, redis_url: str) -> dict:
     return {"alone": alone, "with_batch": with_batch, "batch": whole}
 
 
+def step_costs(kit, repeats: int = 15) -> list[dict]:
+    """What the steps an interactive request meets cost, in-process on the demo model (one torch thread, the
+    serving engine's setting here): its prompt's step alone and beside decode rows (what the lean-step rule
+    removes), and a step of decode rows with a batch prompt of 128 tokens (the token cap) or 35 (about what
+    `--batch-prompt-ms 2` leaves on this kind of machine) -- the step an arriving request waits out
+    (docs/engine.md, "Batch work yields to interactive first tokens"). All rows are interactive here, so that
+    the scheduler's own batch rules do not reshape the steps being measured. Medians of `repeats` steps."""
+    import statistics
+
+    import torch
+
+    from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.sequence import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(EngineConfig(model_dir=kit.base_dir, served_model_name=kit.model_name,
+                                        cache=CacheConfig(memory_bytes=256 * 2**20),
+                                        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)))
+        rng = random.Random(0)
+        vocab = engine.model.config.vocab_size
+        n = 0
+
+        def ids(k: int) -> list[int]:
+            return [rng.randrange(4, vocab) for _ in range(k)]
+
+        def add(prompt_len: int, max_tokens: int) -> None:
+            nonlocal n
+            n += 1
+            engine.add_request(f"s{n}", ids(prompt_len), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+        def timed() -> float:
+            t = time.perf_counter()
+            engine.step()
+            return 1000 * (time.perf_counter() - t)
+
+        add(40, 4)  # warm-up
+        while engine.has_unfinished():
+            engine.step()
+        rows = []
+        for decodes in (0, 8, 16):
+            for _ in range(decodes):
+                add(40, 400)
+            engine.step()  # their prompts
+            decode_only, prompt45, prompt128, prompt35 = [], [], [], []
+            for _ in range(repeats):
+                if decodes:
+                    decode_only.append(timed())
+                for size, out in ((45, prompt45), (128, prompt128), (35, prompt35)):
+                    add(size, 1)
+                    out.append(timed())  # the prompt's step (its one token comes out of it)
+            rows.append({"decode_rows": decodes,
+                         "decodes_only_ms": statistics.median(decode_only) if decode_only else None,
+                         "with_45_token_prompt_ms": statistics.median(prompt45),
+                         "with_128_token_prompt_ms": statistics.median(prompt128),
+                         "with_35_token_prompt_ms": statistics.median(prompt35)})
+            for seq in list(engine.scheduler.running):
+                engine.abort_request(seq.request_id)
+            while engine.has_unfinished():
+                engine.step()
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     from services.common.embedded import embedded_services
     from services.common.migrate import upgrade
@@ -176,6 +243,11 @@ def main() -> None:
     from services.modelkit import ensure_demo
 
     kit = ensure_demo()
+    steps = step_costs(kit)
+    print(table("what a step costs an interactive request (in-process, demo model, one thread; ms, median)",
+                ["decode rows", "decodes only", "+ 45-token prompt", "+ 128-token prompt", "+ 35-token prompt"],
+                [[r["decode_rows"], r["decodes_only_ms"] or 0.0, r["with_45_token_prompt_ms"], r["with_128_token_prompt_ms"],
+                  r["with_35_token_prompt_ms"]] for r in steps]))
     settings = Settings()
     logs = Path(tempfile.mkdtemp(prefix="batchbench-"))
     with embedded_services(settings) as urls:
@@ -206,7 +278,8 @@ def main() -> None:
         Target("engine busy fraction with the batch - without (> 0: idle capacity used)",
                mixed["busy_fraction"] - alone["busy_fraction"], 0.0),
     ]
-    write_results("batch", {"config": {"lines": BATCH_LINES, "phase_s": PHASE_S, "rate": RATE}, **figures}, targets)
+    write_results("batch", {"config": {"lines": BATCH_LINES, "phase_s": PHASE_S, "rate": RATE}, "step_costs": steps, **figures},
+                  targets)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def serve(
     max_step_ms: float = typer.Option(250.0, help="Wall-time target per step: prompt work is capped at what the measured "
                                       "step cost leaves beside the decodes, so a request arriving mid-step waits out "
                                       "a short step; 0 = token budget only"),
+    batch_prompt_ms: float = typer.Option(2.0, help="Batch-class prompt work per step is capped at what this much compute "
+                                          "buys by the measured step cost (beside the 128-token cap), so an "
+                                          "interactive request arriving mid-step waits out a short step; 0 = tokens only"),
     failpoint: list[str] = typer.Option([], help="Tests only (refused in prod): NAME=TOKEN_ID, e.g. step_error=7 (see EngineConfig.failpoints)"),
     frontends: int = typer.Option(1, min=0, help="HTTP front-end processes beside the engine core process "
                                   "(0: the HTTP server shares the core's process, as before the split)"),
@@ -102,7 +105,8 @@ def _engine_config(options: dict, settings):
                                   policy=o.scheduling_policy, interactive_ttft_slo_s=o.interactive_ttft_slo_s or None,
                                   batch_ttft_slo_s=o.batch_ttft_slo_s or None,
                                   batch_max_tokens_under_overload=o.batch_max_tokens_under_overload or None,
-                                  max_step_s=o.max_step_ms / 1000 if o.max_step_ms else None),
+                                  max_step_s=o.max_step_ms / 1000 if o.max_step_ms else None,
+                                  lower_class_prompt_s=o.batch_prompt_ms / 1000 if o.batch_prompt_ms else None),
         lora=LoraConfig(max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
                         cpu_kernel=o.lora_cpu_kernel),
         engine_id=o.engine_id,

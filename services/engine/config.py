@@ -249,6 +249,9 @@ class SchedulerConfig:
     # A step's lower-class (batch) prompt work, chunks included, is at most this many tokens (None: the
     # whole budget), so the step an arriving interactive request waits out is short (class_yield.py).
     lower_class_prefill_tokens: int | None = 128
+    # ... and at most what this many seconds of compute buy by the fitted step cost (step_time.py), so on a
+    # slow device the step an interactive arrival waits out stays short (class_yield.py). None: tokens only.
+    lower_class_prompt_s: float | None = None
     # A wall-time target per step (step_time.py): prompt work is capped at what the fitted step cost leaves
     # beside the decodes, so a request arriving mid-step waits out a short step. None: the token budget only.
     max_step_s: float | None = None
@@ -258,6 +261,8 @@ class SchedulerConfig:
             raise ConfigError("lower_class_prefill_tokens must be > 0 or None")
         if self.max_step_s is not None and not self.max_step_s > 0:
             raise ConfigError("max_step_s must be > 0 or None")
+        if self.lower_class_prompt_s is not None and not self.lower_class_prompt_s > 0:
+            raise ConfigError("lower_class_prompt_s must be > 0 or None")
         if self.policy not in ("fair", "fcfs"):
             raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
         for name in ("interactive_ttft_slo_s", "batch_ttft_slo_s"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.engine.class_yield import class_budget_cap, computes_interactive_prompt
+from services.engine.class_yield import class_budget_cap, computes_interactive_prompt, lower_class_rows
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import Admission, Tenants, WaitQueue
 from services.engine.forks import WAIT, PromptGroups
@@ -24,7 +24,7 @@ from services.engine.kv.copies import BlockCopy, CopyKind
 from services.engine.kv.manager import KVCacheManager, PrefixHit
 from services.engine.preemption import PreemptKind
 from services.engine.sequence import Priority, Sequence, Status
-from services.engine.step_time import StepTimeBound
+from services.engine.step_time import StepCostModel, StepTimeBound
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +129,11 @@ class Scheduler:
         # The device slot being drained for a request that has waited too long for one (see _admit).
         self.draining_slot: int | None = None
         self.budget_cap: int | None = None  # the plan's token count the current class may fill to (class_yield.py)
+        # The fitted step cost (step_time.py) both time caps read; None when neither is asked for.
+        timed = config.max_step_s is not None or config.lower_class_prompt_s is not None
+        self.step_cost: StepCostModel | None = StepCostModel() if timed else None
         # The plan's token count prompt work may fill to this step (step_time.py); None: the token budget.
-        self.step_bound = StepTimeBound(config.max_step_s) if config.max_step_s is not None else None
+        self.step_bound = StepTimeBound(config.max_step_s, self.step_cost) if config.max_step_s is not None else None
         self.time_cap: int | None = None
 
     # -- queue management ----------------------------------------------------------------------
@@ -186,6 +189,9 @@ class Scheduler:
             self.time_cap = plan.num_batched_tokens + self.step_bound.prompt_tokens(plan.num_batched_tokens)
         self._fill(plan, prefills, admit=not plan.preempted)
         self.time_cap = None
+        for s in lower_class_rows(plan):  # a lean step for an interactive first token (class_yield.py)
+            plan.drop(s.seq)
+            self.tenants.charge(s.seq, -s.num_new_tokens)  # not computed: its tenant's clock goes back
         # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
         plan.scheduled.sort(key=lambda s: s.lora_slot)
         assert plan.num_batched_tokens == sum(s.num_new_tokens for s in plan.scheduled), "plan rows changed behind add/drop"
@@ -233,7 +239,7 @@ class Scheduler:
         for priority in Priority:
             if priority is not Priority.INTERACTIVE and computes_interactive_prompt(plan):
                 break  # a lean step for an interactive first token; lower classes go next step (class_yield.py)
-            self.budget_cap = class_budget_cap(plan, priority, self.config)
+            self.budget_cap = class_budget_cap(plan, priority, self.config, self.step_cost)
             pending: dict[str, list[Sequence]] = {}
             for seq in prefills:
                 if seq.priority == priority:

@@ -1,5 +1,9 @@
 """Scheduler policy on the CPU without a model: budgets, decode-first, chunking, priority, preemption."""
-from services.engine.config import SchedulerConfig
+import dataclasses
+
+import pytest
+
+from services.engine.config import ConfigError, SchedulerConfig
 from services.engine.kv.block_pool import BlockPool
 from services.engine.kv.manager import KVCacheManager
 from services.engine.scheduler import Scheduler, StepPlan
@@ -135,7 +139,7 @@ def test_prefix_hit_counts_cached_tokens_once_on_first_admission():
     assert plan.scheduled[0].start == 12 and plan.scheduled[0].num_new_tokens == 1
 
 
-def test_a_step_computing_an_interactive_prompt_holds_batch_prefills_but_not_batch_decodes():
+def test_a_step_computing_an_interactive_prompt_holds_every_batch_row():
     sched = make_scheduler(budget=32)
     decoding = make_seq("b-decode", 3, max_tokens=20, priority=Priority.BATCH)
     sched.add(decoding)
@@ -146,14 +150,59 @@ def test_a_step_computing_an_interactive_prompt_holds_batch_prefills_but_not_bat
     assert 0 < long.num_computed_tokens < 40
     sched.add(make_seq("b-new", 5, priority=Priority.BATCH, first_token=200))
     sched.add(make_seq("inter", 6, first_token=300))
+    batch_clock = sched.tenants.state(decoding).vtime
     plan = sched.schedule()
-    by_id = {s.seq.request_id: s for s in plan.scheduled}
-    # The interactive prompt's step: the batch decode runs, the batch prefill chunk and admission wait,
-    # though the budget has room for them.
-    assert set(by_id) == {"b-decode", "inter"} and plan.num_batched_tokens == 7 < 32
+    # The interactive prompt's step: the batch decode, the batch prefill chunk and the admission all wait,
+    # though the budget has room for them; the batch's virtual clock is not charged for the dropped decode.
+    assert [s.seq.request_id for s in plan.scheduled] == ["inter"] and plan.num_batched_tokens == 6 < 32
+    assert sched.tenants.state(decoding).vtime == batch_clock + 6  # one tenant here: inter's 6 tokens only
     advance(sched, plan)
-    plan = sched.schedule()  # inter decodes now: the batch prompts go on
+    plan = sched.schedule()  # inter decodes now: the batch goes on
     assert {s.seq.request_id for s in plan.scheduled} == {"b-decode", "inter", "b-long", "b-new"}
+    assert decoding.num_computed_tokens + 1 == decoding.num_tokens  # its decode was only put off a step
+
+
+def test_an_interactive_request_waiting_for_a_seat_does_not_hold_batch_decodes():
+    sched = make_scheduler(budget=32, max_seqs=1)
+    sched.add(make_seq("b", 3, max_tokens=20, priority=Priority.BATCH))
+    advance(sched, sched.schedule())
+    # Same class order, no seat: the interactive request cannot start (batch seats are not preempted for
+    # it here: one seat, and preemption of a lower class needs a victim) -- whatever the scheduler decides,
+    # a step without an interactive prompt in it must carry the batch decode.
+    sched.add(make_seq("inter", 6, first_token=300))
+    plan = sched.schedule()
+    ids = [s.seq.request_id for s in plan.scheduled]
+    assert ids == ["inter"] or "b" in ids
+
+
+def test_batch_prompt_work_per_step_is_capped_by_the_fitted_step_cost():
+    """With `lower_class_prompt_s`, a step's batch prompt work is what that much compute buys by the fitted
+    cost (pinned here: a prior no step can outweigh), never above the token cap, never below the floor."""
+    from services.engine.class_yield import MIN_LOWER_CLASS_PROMPT_TOKENS, lower_class_prompt_tokens
+    from services.engine.step_time import StepCostModel
+
+    def pinned(per_token):
+        return StepCostModel(fixed=1e-3, per_token=per_token, prior_weight=1e12)
+
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, lower_class_prompt_s=0.002)
+    assert lower_class_prompt_tokens(cfg, pinned(1e-4)) == 20  # 2 ms at 0.1 ms a token
+    assert lower_class_prompt_tokens(cfg, pinned(1e-6)) == 128  # a fast device: the token cap rules
+    assert lower_class_prompt_tokens(cfg, pinned(1e-3)) == MIN_LOWER_CLASS_PROMPT_TOKENS  # prompts keep moving
+    assert lower_class_prompt_tokens(dataclasses.replace(cfg, lower_class_prefill_tokens=None), pinned(1e-6)) == 2000
+    assert lower_class_prompt_tokens(dataclasses.replace(cfg, lower_class_prompt_s=None), None) == 128
+    with pytest.raises(ConfigError, match="lower_class_prompt_s"):
+        SchedulerConfig(lower_class_prompt_s=0)
+
+    sched = Scheduler(cfg, KVCacheManager(BlockPool(64), 4), 256)
+    assert sched.step_cost is not None and sched.step_bound is None
+    sched.step_cost = pinned(1e-4)
+    sched.add(make_seq("b1", 50, priority=Priority.BATCH))
+    sched.add(make_seq("i1", 50, first_token=100))
+    plan = sched.schedule()  # the interactive prompt is never capped; the batch waits for a step without it
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("i1", 50)]
+    advance(sched, plan)
+    plan = sched.schedule()
+    assert sorted((s.seq.request_id, s.num_new_tokens) for s in plan.scheduled) == [("b1", 20), ("i1", 1)]
 
 
 def test_batch_prompt_work_per_step_is_capped_chunks_included():

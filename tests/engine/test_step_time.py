@@ -42,3 +42,19 @@ def test_the_target_must_be_positive():
     with pytest.raises(ConfigError, match="max_step_s"):
         SchedulerConfig(max_step_s=0)
     assert SchedulerConfig().max_step_s is None  # off unless asked for (`mplex engine serve` asks: 250 ms)
+
+
+def test_the_served_engine_bounds_its_steps_and_its_batch_prompt_work_in_time(demo_kit):
+    """`mplex engine serve`'s defaults reach the scheduler: a 250 ms step target and 2 ms of batch prompt work
+    per step (class_yield.py), both read off one fitted cost; 0 turns each off."""
+    import inspect
+
+    from services.common.settings import get_settings
+    from services.engine.cli import _engine_config, serve
+
+    options = {name: getattr(p.default, "default", p.default) for name, p in inspect.signature(serve).parameters.items()}
+    options.update(model=demo_kit.base_dir, served_model_name=demo_kit.model_name)
+    sched = _engine_config(options, get_settings()).scheduler
+    assert (sched.max_step_s, sched.lower_class_prompt_s) == (0.25, 0.002)
+    off = _engine_config({**options, "max_step_ms": 0, "batch_prompt_ms": 0}, get_settings()).scheduler
+    assert (off.max_step_s, off.lower_class_prompt_s) == (None, None)
