@@ -548,6 +548,8 @@ class LLMEngine:
             self.metrics.count_adapter(seq.adapter.name or seq.adapter.content_id[:12], seq.num_tokens)
         if self.spec is not None:
             self.spec.forget(seq.request_id)
+            if reason in ("stop", "length"):
+                self.spec.finished(seq)
             if seq.spec_drafted:
                 self.metrics.count_spec(seq.adapter and (seq.adapter.name or seq.adapter.content_id[:12]),
                                         seq.spec_drafted, seq.spec_accepted)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -653,3 +654,74 @@ def test_auto_gives_each_sequence_its_drafter_and_aborts_free_the_draft_slot(tin
     assert {k: v["tokens"] for k, v in spec.items()} == {k: v["tokens"] for k, v in plain.items()}
     assert used == {"draft_model": {r["id"] for r in reqs if not r["adapter"]}, "ngram": {r["id"] for r in reqs if r["adapter"]}}
     assert all(v["last"].num_draft_tokens > 0 for v in spec.values())
+
+
+class _CatchingUpDrafter(ScriptedDrafter):
+    """A scripted drafter that, like a draft model, must first feed a sequence the tokens it has not seen:
+    `catchup_cost` seconds per sequence it has never drafted for."""
+
+    def __init__(self, *a, cost: float, **kw):
+        super().__init__(*a, **kw)
+        self.cost, self.seen = cost, set()
+
+    def catchup_cost(self, seq):
+        return 0.0 if seq.request_id in self.seen else self.cost
+
+    def propose(self, seqs, ks):
+        self.seen |= {s.request_id for s in seqs}
+        return super().propose(seqs, ks)
+
+
+def test_a_sequence_starts_a_costly_drafter_only_if_its_expected_remaining_output_pays_for_the_catch_up(tiny_model):
+    """A drafter that must catch a sequence up first (a draft model feeding it the whole context) is started
+    on a sequence only when the expected gain over the steps it is expected to go on for -- its model's mean
+    output length so far, less what it has produced -- covers that cost. Sequences near their expected end
+    (saturation's tail) are left to decode plainly; fresh ones of a model with long outputs draft; once a
+    sequence is caught up there is nothing to pay and it drafts on its acceptance alone."""
+    engine = LLMEngine(spec_config(make_config(tiny_model), adaptive_to_load=True))
+    ctl: SpecController = engine.spec
+    ctl.cost = StepCostModel(fixed=2e-3, per_token=1e-4, prior_weight=1e12)  # pinned: no timing in this test
+    refs = {f"s{i}": list(range(100, 200)) for i in range(8)}
+    seqs = [engine.add_request(f"s{i}", [5, 6, 7, 40 + i], greedy(64)) for i in range(8)]
+    engine.step()
+    # A step with 8 sequences: an emitted token is worth 2e-3 / 8 + 1e-4 = 0.35 ms; four drafts at the prior
+    # acceptance (0.8) are expected to emit 2.36 tokens (0.83 ms) for 4 verification rows (0.4 ms): a gain of
+    # 0.43 ms a step. A catch-up of 3 ms pays over 9 steps, not over 3.
+    ctl.drafter = _CatchingUpDrafter(refs, 512, wrong_every=10**9, cost=3e-3)
+    assert seqs[0].num_output_tokens == 1
+
+    def produced(n):  # what the controller reads of a sequence of this model that has produced n tokens
+        return SimpleNamespace(adapter=None, num_output_tokens=n, params=seqs[0].params)
+
+    for n in (10.0, 4.0):  # the model's finished sequences averaged n output tokens
+        ctl._lengths.clear()
+        for _ in range(3):
+            ctl.finished(produced(int(n)))
+        assert ctl._remaining(seqs[0]) == pytest.approx(n - 1)
+        ctl.drafter.seen.clear()
+        ctl.propose(seqs, 0, 2048, 256)
+        drafted = [len(s.spec_draft) for s in seqs]
+        assert drafted == ([4] * 8 if n == 10.0 else [0] * 8), (n, drafted)
+    # Caught up (the first case drafted for them all): nothing to pay, so the short horizon no longer matters.
+    ctl.drafter.seen |= {s.request_id for s in seqs}
+    ctl.propose(seqs, 0, 2048, 256)
+    assert all(len(s.spec_draft) == 4 for s in seqs)
+    # Before any sequence of the model finished, a sequence is expected to run as long again as it has.
+    ctl._lengths.clear()
+    assert ctl._remaining(seqs[0]) == 1.0 and ctl._remaining(produced(10)) == 10.0
+    # Never past max_tokens.
+    ctl.finished(produced(200))
+    assert ctl._remaining(seqs[0]) == 63.0
+
+
+def test_draft_model_measures_what_a_catch_up_costs(tiny_model, tiny_draft):
+    from services.engine.spec.draft_model import DraftModelDrafter
+
+    d = DraftModelDrafter(tiny_draft, vocab_size=512, max_seqs=2, dtype=torch.float32, device="cpu")
+    a = _Seq("a", list(range(3, 43)))
+    assert d.catchup_cost(a) == 0.0  # nothing measured yet
+    d.propose([a], [2])  # 40 unseen tokens: a real catch-up, timed
+    assert d.cost_per_catchup_token > 0
+    assert d.catchup_cost(a) == 0.0 or d.catchup_cost(a) <= d.cost_per_catchup_token  # fed: at most the draft token
+    b = _Seq("b", list(range(3, 23)))
+    assert d.catchup_cost(b) == pytest.approx(19 * d.cost_per_catchup_token)  # all but the token every draft feeds

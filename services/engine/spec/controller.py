@@ -27,9 +27,11 @@ from services.engine.step_time import StepCostModel
 DECAY = 0.7  # weight of the past in a sequence's acceptance estimate (recent steps count most)
 # A sequence whose estimate says "do not draft" still drafts one token every PROBE_EVERY steps -- more rarely in
 # a fuller batch: every PROBE_EVERY * (n // PROBE_PER) steps with n sequences decoding, so that about one of them
-# probes per step whatever the batch. A probe through a draft model costs that sequence's catch-up forward.
+# probes per step whatever the batch. A probe through a draft model costs that sequence's catch-up forward
+# (priced like any first draft: `_worth_catching_up`).
 PROBE_EVERY = 8
 PROBE_PER = 8
+LENGTH_DECAY = 0.95  # weight of the past in a model's mean output length
 
 
 class SpecController:
@@ -44,6 +46,7 @@ class SpecController:
         self.cost = StepCostModel()
         self.payoff = PayoffTracker()
         self._draft_seconds = 0.0  # spent drafting for the step being proposed
+        self._lengths: dict[str, float] = {}  # model / adapter key -> decayed mean output length of finished ones
         self._step: tuple[int, bool] | None = None  # (bucket, speculated) of the step being proposed
 
     def observe_step(self, tokens: int, seconds: float, emitted: int, decode_only: bool) -> None:
@@ -91,8 +94,12 @@ class SpecController:
             users[seq.spec_drafter] = users.get(seq.spec_drafter, 0) + 1
         bars = {name: self.threshold(n, name, count) for name, count in users.items()}
         probe_every = PROBE_EVERY * max(1, n // PROBE_PER)
+        fixed, per_token = self.cost.estimate()
+        value = fixed / n + per_token  # what an emitted token saves
         for seq in running:
             k = self._k(seq, bars[seq.spec_drafter], max_model_len, probe_every)
+            if k > 0 and not self._worth_catching_up(seq, k, bars[seq.spec_drafter] * value, value):
+                k = 0
             if k > 0 and spare > 0:
                 k = min(k, spare)
                 spare -= k
@@ -114,6 +121,41 @@ class SpecController:
                 total += len(draft)
         self._step = (b, total > 0)
         return total
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended on its own (a stop or its length): its output length joins its model's record."""
+        key = spec_key(seq.adapter)
+        mean = self._lengths.get(key)
+        n = float(seq.num_output_tokens)
+        self._lengths[key] = n if mean is None else LENGTH_DECAY * mean + (1 - LENGTH_DECAY) * n
+
+    def _remaining(self, seq: Sequence) -> float:
+        """The steps this sequence is expected to go on for: what its model's finished sequences ran beyond
+        where it is (at least one), or, before any finished, as many as it has run (it has lived that long);
+        never past max_tokens."""
+        done = seq.num_output_tokens
+        left = seq.params.max_tokens - done
+        mean = self._lengths.get(spec_key(seq.adapter))
+        guess = max(1.0, mean - done) if mean is not None else max(1.0, float(done))
+        return min(guess, float(left))
+
+    def _worth_catching_up(self, seq: Sequence, k: int, cost_token: float, value: float) -> bool:
+        """A drafter that runs a model must first feed it the sequence's tokens it has not seen (its whole
+        context, the first time). That pays only if the drafting it enables saves more: the expected gain of a
+        step of k draft tokens times the steps the sequence is expected to go on for (`_remaining`). At
+        saturation's tail the sequences that start drafting are nearly done: their catch-ups (~630 tokens
+        through the draft model in a 0.18 s `repeat` run of bench/spec_bench.py) were the whole of speculation's
+        loss there. A drafter without a catch-up (prompt lookup) is never held back here."""
+        d = self.drafter or self.drafters.get(seq.spec_drafter)
+        catchup = getattr(d, "catchup_cost", None)
+        if catchup is None:
+            return True
+        cost = catchup(seq)
+        if cost <= 0:
+            return True
+        rate = acceptance_rate(seq)
+        gain = sum(rate ** j for j in range(1, k + 1)) * value - k * cost_token
+        return gain * self._remaining(seq) >= cost
 
     def _k(self, seq: Sequence, threshold: float, max_model_len: int, probe_every: int = PROBE_EVERY) -> int:
         """Draft length for one decoding sequence: the depth at which rate ** depth falls below the bar,

@@ -71,8 +71,18 @@ class DraftModelDrafter:
         # draft token. Catch-up forwards (new prompts) are left out: a one-off per sequence, and a spike that
         # would price the drafter out for good (a drafter that never drafts never measures again).
         self.cost_per_position = 0.0
+        # Seconds per token of a catch-up forward (a sequence's tokens the draft model has not seen), decayed.
+        self.cost_per_catchup_token = 0.0
         self._slots: OrderedDict[str, _Slot] = OrderedDict()  # least recently used first
         self._free = list(range(max_seqs - 1, -1, -1))
+
+    def catchup_cost(self, seq: DraftRequest) -> float:
+        """Seconds the forward that brings this sequence's draft state up to date would take beyond the one
+        token every draft feeds (0 until a catch-up has been measured)."""
+        slot = self._slots.get(seq.request_id)
+        tokens = seq.all_token_ids
+        have = self._valid_prefix(slot, tokens) if slot is not None else 0
+        return max(0, len(tokens) - have - 1) * self.cost_per_catchup_token
 
     def forget(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
@@ -150,8 +160,16 @@ class DraftModelDrafter:
         else:
             positions = torch.arange(int(ends[-1]), device=dev) - torch.repeat_interleave(first - start, q)
             slot_map = torch.repeat_interleave(base, q) * BLOCK + positions
+        t_catch = time.perf_counter()
         token = self._next(ids, positions, AttnMetadata(slot_mapping=slot_map, groups=self._groups(first, q, ctx, base)),
                            ends - 1)
+        extra = int(ends[-1]) - len(slots)
+        # A real catch-up (not one token a sequence): the forward's time over its extra tokens (an upper bound:
+        # the forward's fixed cost is in it). On CUDA this times the launch; the drafts' .tolist() syncs later.
+        if extra >= 8:
+            per = (time.perf_counter() - t_catch) / extra
+            c = self.cost_per_catchup_token
+            self.cost_per_catchup_token = per if not c else 0.8 * c + 0.2 * per
         steps = [token]
         k = torch.tensor(depth, device=dev)
         one = torch.ones_like(q)
