@@ -428,8 +428,7 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.busy_seconds += elapsed
         self.stats.tokens += total
-        if self.scheduler.step_cost is not None and total > 0 and elapsed > 0:
-            self.scheduler.step_cost.observe(total, elapsed)
+        self.scheduler.observe_step(total, elapsed)
         self.metrics.busy_seconds.inc(elapsed)
         self.metrics.step_time.observe(elapsed)
         outputs: list[RequestOutput] = []

@@ -71,9 +71,13 @@ class StepPlan:
 
     def drop(self, seq: Sequence) -> None:
         """Remove `seq`'s rows (it was preempted after being scheduled)."""
-        kept = [s for s in self.scheduled if s.seq is not seq]
-        self._tokens -= sum(s.num_new_tokens for s in self.scheduled if s.seq is seq)
-        self.scheduled[:] = kept
+        self.drop_rows([s for s in self.scheduled if s.seq is seq])
+
+    def drop_rows(self, rows: list[ScheduledSeq]) -> None:
+        """Remove these rows, in one pass over the plan."""
+        gone = {id(s) for s in rows}
+        self.scheduled[:] = [s for s in self.scheduled if id(s) not in gone]
+        self._tokens -= sum(s.num_new_tokens for s in rows)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -136,6 +140,12 @@ class Scheduler:
         self.step_bound = StepTimeBound(config.max_step_s, self.step_cost) if config.max_step_s is not None else None
         self.time_cap: int | None = None
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step's computed tokens and wall time teach the fitted step cost both time caps read (an idle or
+        failed step teaches nothing)."""
+        if self.step_cost is not None and tokens > 0 and seconds > 0:
+            self.step_cost.observe(tokens, seconds)
+
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         assert seq.num_tokens + seq.params.max_tokens - seq.num_output_tokens <= self.max_model_len
@@ -189,8 +199,9 @@ class Scheduler:
             self.time_cap = plan.num_batched_tokens + self.step_bound.prompt_tokens(plan.num_batched_tokens)
         self._fill(plan, prefills, admit=not plan.preempted)
         self.time_cap = None
-        for s in lower_class_rows(plan):  # a lean step for an interactive first token (class_yield.py)
-            plan.drop(s.seq)
+        lean = lower_class_rows(plan)  # a lean step for an interactive first token (class_yield.py)
+        plan.drop_rows(lean)
+        for s in lean:
             self.tenants.charge(s.seq, -s.num_new_tokens)  # not computed: its tenant's clock goes back
         # Rows of one adapter side by side: LoRA segments become contiguous ranges (no gather/scatter).
         plan.scheduled.sort(key=lambda s: s.lora_slot)

@@ -57,10 +57,6 @@ class StepTimeBound:
         self.target_s = target_s
         self.cost = cost or StepCostModel()
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.cost.observe(tokens, seconds)
-
     def prompt_tokens(self, decode_tokens: int) -> int:
         """Prompt tokens that fit beside `decode_tokens` of decodes (at least MIN_PROMPT_TOKENS)."""
         fixed, per_token = self.cost.estimate()

@@ -20,22 +20,28 @@ def test_the_bound_leaves_room_for_the_decodes_and_tightens_as_steps_slow_down()
     bound = StepTimeBound(0.25)
     for _ in range(300):
         for tokens in (8, 200, 1000):
-            bound.observe(tokens, 0.002 + 1e-4 * tokens)
+            bound.cost.observe(tokens, 0.002 + 1e-4 * tokens)
     assert bound.prompt_tokens(0) == pytest.approx(2480, abs=40)  # (0.25 - 0.002) / 1e-4
     assert bound.prompt_tokens(1000) == pytest.approx(1480, abs=40)  # the decodes' share is theirs
     for _ in range(300):  # the machine slows down five-fold (neighbours took the cores)
         for tokens in (8, 200, 1000):
-            bound.observe(tokens, 0.01 + 5e-4 * tokens)
+            bound.cost.observe(tokens, 0.01 + 5e-4 * tokens)
     assert bound.prompt_tokens(0) == pytest.approx(480, abs=20)
     assert bound.prompt_tokens(2000) == MIN_PROMPT_TOKENS  # decodes alone fill the target: prefill still moves
 
 
 def test_idle_and_failed_steps_teach_nothing():
-    bound = StepTimeBound(0.25)
-    before = bound.cost.estimate()
-    bound.observe(0, 1.0)
-    bound.observe(100, 0.0)
-    assert bound.cost.estimate() == before
+    from services.engine.kv.block_pool import BlockPool
+    from services.engine.kv.manager import KVCacheManager
+    from services.engine.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(max_step_s=0.25), KVCacheManager(BlockPool(8), 4), 64)
+    before = sched.step_cost.estimate()
+    sched.observe_step(0, 1.0)
+    sched.observe_step(100, 0.0)
+    assert sched.step_cost.estimate() == before
+    sched.observe_step(100, 0.5)  # a real step does
+    assert sched.step_cost.estimate() != before
 
 
 def test_the_target_must_be_positive():

@@ -79,6 +79,8 @@ class DraftModelDrafter:
     def catchup_cost(self, seq: DraftRequest) -> float:
         """Seconds the forward that brings this sequence's draft state up to date would take beyond the one
         token every draft feeds (0 until a catch-up has been measured)."""
+        if not self.cost_per_catchup_token:
+            return 0.0
         slot = self._slots.get(seq.request_id)
         tokens = seq.all_token_ids
         have = self._valid_prefix(slot, tokens) if slot is not None else 0
