@@ -75,6 +75,17 @@ class DraftModelDrafter:
         self.cost_per_catchup_token = 0.0
         self._slots: OrderedDict[str, _Slot] = OrderedDict()  # least recently used first
         self._free = list(range(max_seqs - 1, -1, -1))
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One untimed catch-up and draft position through a slot left free: a process's first forwards pay
+        one-off costs (allocations, thread pools; 9 ms for a 60-token catch-up that then takes 2 ms on the demo
+        draft model), and the first timed catch-up would otherwise price every catch-up ~4x too high -- enough to
+        keep the draft model off sequences it pays on until the decayed estimate came back down."""
+        n = min(2 * LONG_ROWS, self.max_len - 1)
+        if n < 2:
+            return
+        self._run([_Slot(0, np.zeros(self.max_len, dtype=np.int64))], [[0] * n], [0], [n], [2], timed=False)
 
     def catchup_cost(self, seq: DraftRequest) -> float:
         """Seconds the forward that brings this sequence's draft state up to date would take beyond the one
@@ -146,7 +157,7 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def _run(self, slots: list[_Slot], new_ids: list[list[int]], starts: list[int], lens: list[int],
-             depth: list[int]) -> list[list[int]]:
+             depth: list[int], timed: bool = True) -> list[list[int]]:
         dev = self.device
         base = torch.tensor([s.index * self.blocks_per_slot for s in slots], device=dev)
         start = torch.tensor(starts, device=dev)
@@ -168,7 +179,7 @@ class DraftModelDrafter:
         extra = int(ends[-1]) - len(slots)
         # A real catch-up (not one token a sequence): the forward's time over its extra tokens (an upper bound:
         # the forward's fixed cost is in it). On CUDA this times the launch; the drafts' .tolist() syncs later.
-        if extra >= 8:
+        if extra >= 8 and timed:
             per = (time.perf_counter() - t_catch) / extra
             c = self.cost_per_catchup_token
             self.cost_per_catchup_token = per if not c else 0.8 * c + 0.2 * per
@@ -192,7 +203,7 @@ class DraftModelDrafter:
                 token = nxt
             steps.append(token)
         drafts = torch.stack(steps, 1).tolist()
-        if max(depth) > 1:
+        if max(depth) > 1 and timed:
             per = (time.perf_counter() - t0) / (max(depth) - 1)
             self.cost_per_position = per if not self.cost_per_position else 0.9 * self.cost_per_position + 0.1 * per
         return drafts
