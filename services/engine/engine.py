@@ -93,9 +93,12 @@ class LLMEngine:
 
             self.tp = TpGroup(config)
             model = self.tp.model
-        self.model = model or load_model(
-            config.model_dir, dtype=config.torch_dtype, device=config.device, weight_dtype=config.weight_dtype
-        )
+        if model is None:
+            model = load_model(config.model_dir, dtype=config.torch_dtype, device=config.device,
+                               weight_dtype=config.weight_dtype)
+            if config.cpu_packed_gemm:
+                model.pack_weights()
+        self.model = model
         mcfg = self.model.config
         self.tokenizer = TokenizerInfo(config.model_dir)
         self.eos_token_ids = mcfg.eos_token_ids
@@ -155,7 +158,7 @@ class LLMEngine:
         if config.speculative.enabled:
             drafters = make_drafters(config.speculative, vocab_size=self.model.config.vocab_size,
                                      dtype=config.torch_dtype, device=config.device,
-                                     attention_kernel=self.runner.attention_kernel)
+                                     attention_kernel=self.runner.attention_kernel, pack=config.cpu_packed_gemm)
             self.spec = SpecController(config.speculative, drafters=drafters)
         self._log_ready(attention_kernel, num_blocks, num_host_blocks, kv_dtype)
 

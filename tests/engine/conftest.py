@@ -82,6 +82,7 @@ def make_config(
     speculative: str = "off",
     draft_model: Path | None = None,
     device: str = "cpu",
+    cpu_packed_gemm: bool = True,
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -95,6 +96,7 @@ def make_config(
         lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                         cpu_kernel=lora_kernel, inline_loads=inline_loads),
         cpu_attention=cpu_attention,
+        cpu_packed_gemm=cpu_packed_gemm,
         failpoints=failpoints,
         async_scheduling=async_scheduling,
         # Draft lengths from acceptance only: which steps speculate must not depend on this machine's speed.

@@ -46,6 +46,12 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
         self.scale = config.head_dim**-0.5
 
+    def pack_weights(self) -> int:
+        """Prepack every dense projection and the LM head for the CPU's oneDNN GEMM (Linear.pack); returns how
+        many were packed (0 off the CPU, for FP8 weights, or without oneDNN)."""
+        n = sum(lin.pack() for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return n + self.lm_head.pack(keep_dense=self.lm_head.weight is self.embed)
+
     def num_params(self) -> int:
         def n(w) -> int:
             return (w.weight if isinstance(w, Fp8Weight) else w).numel()

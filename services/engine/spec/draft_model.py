@@ -47,11 +47,14 @@ class DraftModelDrafter:
     name = "draft_model"
 
     def __init__(self, model_dir: Path, *, vocab_size: int, max_seqs: int, dtype: torch.dtype, device: str,
-                 kernel=None):
-        """`kernel`: the engine's paged decode kernel (kernels/choice.py), or None for gather + SDPA."""
+                 kernel=None, pack: bool = True):
+        """`kernel`: the engine's paged decode kernel (kernels/choice.py), or None for gather + SDPA; `pack`: its
+        weights prepacked for the CPU's oneDNN GEMM (EngineConfig.cpu_packed_gemm)."""
         from services.engine.kernels.attention_native import NativeAttention
 
         self.model = load_model(Path(model_dir), dtype=dtype, device=device)
+        if pack:
+            self.model.pack_weights()
         cfg = self.model.config
         # The native CPU kernel where it takes this shape (the draft's cache is in the compute dtype, never fp8).
         ok = isinstance(kernel, NativeAttention) and kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

@@ -99,7 +99,7 @@ class NgramDrafter:
         return tuple(t[start : start + k].tolist())
 
 def make_drafters(config: SpeculativeConfig, *, vocab_size: int, dtype, device: str,
-                  attention_kernel=None) -> dict[str, Drafter]:
+                  attention_kernel=None, pack: bool = True) -> dict[str, Drafter]:
     """The drafters a configuration uses, by name (SpeculativeConfig.drafter_for picks one per sequence)."""
     drafters: dict[str, Drafter] = {}
     for name in config.drafter_names:
@@ -109,7 +109,7 @@ def make_drafters(config: SpeculativeConfig, *, vocab_size: int, dtype, device: 
             from services.engine.spec.draft_model import DraftModelDrafter
 
             drafters[name] = DraftModelDrafter(config.draft_model, vocab_size=vocab_size, max_seqs=config.max_running,
-                                               dtype=dtype, device=device, kernel=attention_kernel)
+                                               dtype=dtype, device=device, kernel=attention_kernel, pack=pack)
         else:
             raise ValueError(f"no drafter named {name!r}")
     return drafters

@@ -1,0 +1,76 @@
+"""Projections prepacked for the CPU's oneDNN GEMM (model/layers.py, Linear.pack): the same products as
+torch's F.linear to fp32 rounding, the dense weight kept once, and the engine's greedy outputs the oracle's on
+both paths (the oracle suites run packed: it is the default)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.kernels.fp8 import quantize_fp8
+from services.engine.model.layers import Linear, can_pack
+from services.engine.sequence import SamplingParams
+from tests.engine.conftest import make_engine, run_all
+from tests.engine.oracle import hf_greedy
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1, 1)), reason="torch without oneDNN linear ops here")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 256])
+def test_a_packed_projection_is_f_linear_to_fp32_rounding(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(384, 96, generator=gen)
+    b = torch.randn(384, generator=gen) if bias else None
+    x = torch.randn(rows, 96, generator=gen)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    lin = Linear(w.clone(), b)
+    assert lin.pack() and not lin.pack()  # once
+    assert lin.weight.is_meta and lin.weight.shape == w.shape and lin.weight_bytes() == w.numel() * 4 + (384 * 4 if bias else 0)
+    got = lin(x)
+    assert got.shape == (rows, 384) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+    # A strided input (a slice of a wider row, as a fused projection's output is read) gives the same rows.
+    wide = torch.randn(rows, 200, generator=gen)
+    torch.testing.assert_close(lin(wide[:, 50:146]).double(), F.linear(wide[:, 50:146].double(), w.double(),
+                               None if b is None else b.double()), atol=2e-5, rtol=1e-5)
+
+
+def test_what_is_not_packed_and_a_tied_head_keeps_its_table():
+    assert not Linear(quantize_fp8(torch.randn(64, 32))).pack()  # FP8 has its own GEMM
+    assert not Linear(torch.randn(64, 32, dtype=torch.float16)).pack()
+    assert not Linear(torch.randn(64, 32, dtype=torch.bfloat16)).pack()
+    assert not Linear(torch.randn(64, 32, device="meta")).pack()
+    table = torch.randn(64, 32)
+    head = Linear(table)
+    assert head.pack(keep_dense=True) and head.weight is table  # the embedding table is still read by lookups
+
+
+def test_engine_outputs_match_hf_packed_and_not(tiny_model):
+    """The tiny Llama through both GEMM paths: greedy tokens identical to HF fp32 (and so to each other),
+    prefill and decode, 8 prompts in one batch; the packed engine's model holds no dense projection."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(4, 40, (8,), generator=gen)]
+    want = {f"p{i}": hf_greedy(hf, p, 16).tokens for i, p in enumerate(prompts)}
+    for packed in (True, False):
+        engine = make_engine(tiny_model, cpu_packed_gemm=packed)
+        layer = engine.model.layers[0]
+        assert all((lin.packed is not None) == packed for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        out = run_all(engine, [{"id": f"p{i}", "prompt": p, "params": params} for i, p in enumerate(prompts)])
+        assert out == want, packed
+
+
+def test_the_served_engine_packs_unless_told_not_to(demo_kit):
+    import inspect
+
+    from services.common.settings import get_settings
+    from services.engine.cli import _engine_config, serve
+
+    options = {name: getattr(p.default, "default", p.default) for name, p in inspect.signature(serve).parameters.items()}
+    options.update(model=demo_kit.base_dir, served_model_name=demo_kit.model_name)
+    assert _engine_config(options, get_settings()).cpu_packed_gemm is True
+    assert _engine_config({**options, "cpu_packed_gemm": False}, get_settings()).cpu_packed_gemm is False
