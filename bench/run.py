@@ -6,7 +6,7 @@ import sys
 import time
 
 BENCHMARKS = ["engine", "multi_lora", "fp8", "kv_fp8", "kv_swap", "gateway", "billing", "adapters", "isolation", "fairness",
-              "structured", "batch", "serving", "overlap", "spec", "tp"]
+              "structured", "batch", "serving", "overlap", "spec", "tp", "gemm"]
 
 
 def main(argv: list[str]) -> int:

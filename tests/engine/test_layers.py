@@ -1,5 +1,5 @@
 """Projections prepacked for the CPU's oneDNN GEMM (model/layers.py, Linear.pack): the same products as
-torch's F.linear to fp32 rounding, the dense weight kept once, and the engine's greedy outputs the oracle's on
+torch's F.linear to fp32 rounding, calls of few rows left to F.linear, and the engine's greedy outputs the oracle's on
 both paths (the oracle suites run packed: it is the default)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.fp8 import quantize_fp8
-from services.engine.model.layers import Linear, can_pack
+from services.engine.model.layers import PACKED_MIN_MACS, Linear, can_pack
 from services.engine.sequence import SamplingParams
 from tests.engine.conftest import make_engine, run_all
 from tests.engine.oracle import hf_greedy
@@ -26,7 +26,8 @@ def test_a_packed_projection_is_f_linear_to_fp32_rounding(rows, bias):
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     lin = Linear(w.clone(), b)
     assert lin.pack() and not lin.pack()  # once
-    assert lin.weight.is_meta and lin.weight.shape == w.shape and lin.weight_bytes() == w.numel() * 4 + (384 * 4 if bias else 0)
+    assert lin.packed_min_rows == -(-PACKED_MIN_MACS // (384 * 96)) == 21
+    assert lin.weight_bytes() == 2 * w.numel() * 4 + (384 * 4 if bias else 0)  # dense and packed
     got = lin(x)
     assert got.shape == (rows, 384) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
@@ -36,19 +37,28 @@ def test_a_packed_projection_is_f_linear_to_fp32_rounding(rows, bias):
                                None if b is None else b.double()), atol=2e-5, rtol=1e-5)
 
 
-def test_what_is_not_packed_and_a_tied_head_keeps_its_table():
+def test_few_rows_take_f_linear_and_enough_take_the_packed_weight():
+    """Which path a call takes, by its rows (PACKED_MIN_MACS): told apart by a packed weight deliberately not
+    the dense one's."""
+    w = torch.randn(256, 256)
+    lin = Linear(w)
+    assert lin.pack() and lin.packed_min_rows == 12
+    lin.packed = torch.ops.mkldnn._reorder_linear_weight(-w)
+    for rows, packed in ((1, False), (11, False), (12, True), (300, True)):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(lin(x), F.linear(x, -w if packed else w), atol=1e-4, rtol=1e-5)
+
+
+def test_what_is_not_packed():
     assert not Linear(quantize_fp8(torch.randn(64, 32))).pack()  # FP8 has its own GEMM
     assert not Linear(torch.randn(64, 32, dtype=torch.float16)).pack()
     assert not Linear(torch.randn(64, 32, dtype=torch.bfloat16)).pack()
     assert not Linear(torch.randn(64, 32, device="meta")).pack()
-    table = torch.randn(64, 32)
-    head = Linear(table)
-    assert head.pack(keep_dense=True) and head.weight is table  # the embedding table is still read by lookups
 
 
 def test_engine_outputs_match_hf_packed_and_not(tiny_model):
     """The tiny Llama through both GEMM paths: greedy tokens identical to HF fp32 (and so to each other),
-    prefill and decode, 8 prompts in one batch; the packed engine's model holds no dense projection."""
+    prefill and decode, 8 prompts in one batch."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()

@@ -23,41 +23,48 @@ def can_pack(weight) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# Below this many multiply-adds a call (rows x out x in) oneDNN's per-call cost loses to F.linear: measured on the
+# development VM (bench/gemm_bench.py), one decode row through a 384 x 256 projection took 2.5x as long packed,
+# and packed won from ~0.75M multiply-adds on (256 x 256 from 12 rows, 384 x 256 from 8, 1376 x 256 from 3).
+PACKED_MIN_MACS = 750_000
+
+
 class Linear:
     """y = x W^T (+ b). W is a dense tensor, or an FP8 weight with per-output-channel scales; on the CPU a dense
-    W may be prepacked for oneDNN (`pack`)."""
+    W may also be held prepacked for oneDNN (`pack`), used for calls with enough rows."""
 
-    __slots__ = ("weight", "bias", "out_features", "packed")
+    __slots__ = ("weight", "bias", "out_features", "packed", "packed_min_rows")
 
     def __init__(self, weight, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed: torch.Tensor | None = None
+        self.packed_min_rows = 0
 
     @property
     def is_fp8(self) -> bool:
         return not isinstance(self.weight, torch.Tensor)
 
-    def pack(self, keep_dense: bool = False) -> bool:
-        """Reorder W into oneDNN's blocked layout for its matmul: torch's default fp32 CPU GEMM ran at 100-115
-        GFLOP/s a core on the development VM (AMD, AVX-512) where oneDNN with a packed weight ran 235-265 on
-        every projection shape of the serving model, M = 4..2048 rows (equal at 1 row), fp32-exact (a different
-        summation order, as any GEMM's). The dense W is then dropped (kept as a shape-only meta tensor, so the
-        weight costs its bytes once) unless `keep_dense` (a tied LM head whose W is also the embedding table).
-        Returns whether it packed (not for FP8, other dtypes or devices, or where oneDNN refuses)."""
+    def pack(self) -> bool:
+        """Also hold W in oneDNN's blocked layout for its matmul: torch's default fp32 CPU GEMM ran at 100-115
+        GFLOP/s a core on the development VM (AMD, AVX-512) where oneDNN with a packed weight ran 235-260 on every
+        projection shape of the serving model from 64 rows on (bench/gemm_bench.py), fp32-exact (a different
+        summation order, as any GEMM's). Calls of fewer rows than `packed_min_rows` (PACKED_MIN_MACS) keep
+        F.linear on the dense W, which is why both are held: on the CPU the weights take twice their bytes
+        (`weight_bytes` counts both). Returns whether it packed (not for FP8, other dtypes or devices, or where
+        oneDNN refuses)."""
         if self.packed is not None or not can_pack(self.weight):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         except RuntimeError:  # this CPU or build has no oneDNN kernel for it: F.linear stays
             return False
-        if not keep_dense:
-            self.weight = torch.empty_like(self.weight, device="meta")
+        self.packed_min_rows = -(-PACKED_MIN_MACS // self.weight.numel())
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] >= self.packed_min_rows:  # x: [rows, in]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if isinstance(self.weight, torch.Tensor):
             return F.linear(x, self.weight, self.bias)
@@ -68,6 +75,8 @@ class Linear:
     def weight_bytes(self) -> int:
         if isinstance(self.weight, torch.Tensor):
             n = self.weight.numel() * self.weight.element_size()
+            if self.packed is not None:
+                n += self.packed.numel() * self.packed.element_size()
         else:
             n = self.weight.weight.numel() * self.weight.weight.element_size()
             n += self.weight.scale.numel() * self.weight.scale.element_size()

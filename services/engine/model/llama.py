@@ -47,10 +47,10 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
 
     def pack_weights(self) -> int:
-        """Prepack every dense projection and the LM head for the CPU's oneDNN GEMM (Linear.pack); returns how
-        many were packed (0 off the CPU, for FP8 weights, or without oneDNN)."""
-        n = sum(lin.pack() for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return n + self.lm_head.pack(keep_dense=self.lm_head.weight is self.embed)
+        """Prepack every dense projection and the LM head for the CPU's oneDNN GEMM too (Linear.pack); returns
+        how many were packed (0 off the CPU, for FP8 weights, or without oneDNN)."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(lin.pack() for lin in [*linears, self.lm_head])
 
     def num_params(self) -> int:
         def n(w) -> int:
@@ -73,6 +73,8 @@ class LlamaModel:
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
         if self.lm_head.weight is not self.embed:
             total += self.lm_head.weight_bytes()
+        elif self.lm_head.packed is not None:  # a tied head's packed copy of the table
+            total += self.lm_head.packed.numel() * self.lm_head.packed.element_size()
         return total
 
     @torch.inference_mode()
