@@ -64,15 +64,6 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # of those, accepted (emitted; billing counts num_output_tokens only)
 
 
-def _load(config: EngineConfig):
-    """The model from its checkpoint, its projections packed for the CPU's oneDNN GEMM unless turned off."""
-    model = load_model(config.model_dir, dtype=config.torch_dtype, device=config.device,
-                       weight_dtype=config.weight_dtype)
-    if config.cpu_packed_gemm:
-        model.pack_weights()
-    return model
-
-
 @dataclass(slots=True)
 class _Stream:
     decoder: DecodeStream
@@ -102,7 +93,8 @@ class LLMEngine:
 
             self.tp = TpGroup(config)
             model = self.tp.model
-        self.model = model if model is not None else _load(config)
+        self.model = model or load_model(config.model_dir, dtype=config.torch_dtype, device=config.device,
+                                         weight_dtype=config.weight_dtype, pack=config.cpu_packed_gemm)
         mcfg = self.model.config
         self.tokenizer = TokenizerInfo(config.model_dir)
         self.eos_token_ids = mcfg.eos_token_ids

@@ -63,6 +63,10 @@ class Linear:
         self.packed_min_rows = -(-PACKED_MIN_MACS // self.weight.numel())
         return True
 
+    @property
+    def packed_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] >= self.packed_min_rows:  # x: [rows, in]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -74,9 +78,7 @@ class Linear:
 
     def weight_bytes(self) -> int:
         if isinstance(self.weight, torch.Tensor):
-            n = self.weight.numel() * self.weight.element_size()
-            if self.packed is not None:
-                n += self.packed.numel() * self.packed.element_size()
+            n = self.weight.numel() * self.weight.element_size() + self.packed_bytes
         else:
             n = self.weight.weight.numel() * self.weight.weight.element_size()
             n += self.weight.scale.numel() * self.weight.scale.element_size()

@@ -73,8 +73,8 @@ class LlamaModel:
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
         if self.lm_head.weight is not self.embed:
             total += self.lm_head.weight_bytes()
-        elif self.lm_head.packed is not None:  # a tied head's packed copy of the table
-            total += self.lm_head.packed.numel() * self.lm_head.packed.element_size()
+        else:  # a tied head's packed copy of the table, if any
+            total += self.lm_head.packed_bytes
         return total
 
     @torch.inference_mode()

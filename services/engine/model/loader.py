@@ -37,8 +37,10 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    model_dir: Path, *, dtype: torch.dtype, device: str = "cpu", weight_dtype: str = "auto"
+    model_dir: Path, *, dtype: torch.dtype, device: str = "cpu", weight_dtype: str = "auto", pack: bool = False
 ) -> LlamaModel:
+    """The checkpoint as our decoder; with `pack`, its projections also prepacked for the CPU's oneDNN GEMM
+    (LlamaModel.pack_weights: a no-op off the CPU and for FP8)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     sd = read_state_dict(model_dir)
@@ -86,4 +88,7 @@ def load_model(
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:
         raise CheckpointError(f"checkpoint has tensors this decoder does not use: {leftovers[:5]}")
-    return LlamaModel(cfg, embed, layers, norm, lm_head, dtype, device)
+    model = LlamaModel(cfg, embed, layers, norm, lm_head, dtype, device)
+    if pack:
+        model.pack_weights()
+    return model

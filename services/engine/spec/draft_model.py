@@ -52,9 +52,7 @@ class DraftModelDrafter:
         weights prepacked for the CPU's oneDNN GEMM (EngineConfig.cpu_packed_gemm)."""
         from services.engine.kernels.attention_native import NativeAttention
 
-        self.model = load_model(Path(model_dir), dtype=dtype, device=device)
-        if pack:
-            self.model.pack_weights()
+        self.model = load_model(Path(model_dir), dtype=dtype, device=device, pack=pack)
         cfg = self.model.config
         # The native CPU kernel where it takes this shape (the draft's cache is in the compute dtype, never fp8).
         ok = isinstance(kernel, NativeAttention) and kernel.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
