@@ -5,8 +5,8 @@ The step loop publishes a `LoadSnapshot` after every step (one attribute store: 
 without a lock, and a slightly stale view is fine for an estimate). A new request's time to first token is
 estimated from it: no wait when a seat is free for it (or its tenant is under its fair share, so the
 scheduler will make room by preemption); else the seats that must free up first -- the requests ahead of
-it in fair order, and itself -- divided by the rate at which sequences have been leaving the batch,
-plus its prefill steps. Over budget ->
+it in fair order, and itself -- divided by the rate at which sequences have been leaving a saturated
+batch (full, or with work waiting; trusted after RATE_TAU_S of such steps), plus its prefill steps. Over budget ->
 `EngineUnavailable("engine_overloaded")` with a Retry-After of the excess: the gateway tries another
 engine first, then tells the client.
 """
@@ -48,7 +48,7 @@ class LoadTracker:
         self.snapshot = LoadSnapshot(free_seats=config.max_num_seqs)
         self._step_s = 0.0
         self._finish_rate = 0.0
-        self._first_step_at: float | None = None
+        self._observed_s = 0.0  # wall time of the saturated steps folded into the finish rate
         self._overloaded_until = 0.0
 
     @classmethod
@@ -70,11 +70,6 @@ class LoadTracker:
         admission needs. The finish rate is how fast seats free up when the batch is full."""
         now = time.monotonic()
         self._step_s = step_s if not self._step_s else (1 - EWMA) * self._step_s + EWMA * step_s
-        if step_s > 0:
-            alpha = 1 - math.exp(-step_s / RATE_TAU_S)  # a time-based average: steps may take 2 ms or 200 ms
-            self._finish_rate += alpha * (finished / step_s - self._finish_rate)
-        if self._first_step_at is None:
-            self._first_step_at = now
         tenants = scheduler.tenants
         waiting: dict[tuple[int, str], int] = {}
         oldest: dict[tuple[int, str], float] = {}
@@ -82,11 +77,19 @@ class LoadTracker:
             for key in queue.tenant_keys():
                 waiting[(int(prio), key)] = queue.count(key)
                 oldest[(int(prio), key)] = queue.oldest_arrival(key)
+        # Only a saturated step (the batch was full, or work waited) says how fast seats free up: with seats
+        # to spare, finishes follow the arrivals -- a quiet spell's trickle would price the next burst's queue
+        # as if seats freed that slowly, and shed it.
+        saturated = bool(waiting) or scheduler.num_running + finished >= self.config.max_num_seqs
+        if step_s > 0 and saturated:
+            alpha = 1 - math.exp(-step_s / RATE_TAU_S)  # a time-based average: steps may take 2 ms or 200 ms
+            self._finish_rate += alpha * (finished / step_s - self._finish_rate)
+            self._observed_s += step_s
         if scheduler.blocked and any(c == int(Priority.INTERACTIVE) for c, _ in waiting):
             self.mark_overloaded(now)  # interactive work is waiting for seats or blocks
         self.snapshot = LoadSnapshot(
             at=now, step_s=self._step_s,
-            finish_rate=self._finish_rate if now - self._first_step_at >= RATE_TAU_S else None,
+            finish_rate=self._finish_rate if self._observed_s >= RATE_TAU_S else None,
             free_seats=self.config.max_num_seqs - scheduler.num_running,
             running={k: s.running for k, s in tenants.states.items()},
             weights={k: s.weight for k, s in tenants.states.items()},

@@ -214,6 +214,43 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
+def _observe_steps(sched: Scheduler, tracker, steps: int, step_s: float, arrive=None) -> None:
+    """Step the scheduler as the engine would, folding each step into the admission tracker."""
+    for t in range(steps):
+        for s in (arrive(t) if arrive else []):
+            sched.add(s)
+        before = sched.num_finished
+        advance(sched, sched.schedule())
+        tracker.observe(sched, step_s, sched.num_finished - before)
+
+
+def test_a_quiet_spells_trickle_does_not_price_the_next_bursts_queue():
+    """The finish rate is how fast seats free up in a full batch: a lone request finishing now and then
+    (seats to spare) is not that rate, and must not get the next burst's queue refused. Seconds of a
+    saturated batch are."""
+    from services.engine.admission import LoadTracker
+
+    sched = make_scheduler(max_seqs=4, budget=64)
+    tracker = LoadTracker(sched.config)
+    sched.config = dataclasses.replace(sched.config, interactive_ttft_slo_s=0.3)
+    tracker.config = sched.config
+    # 5 s of a trickle: one 3-token request at a time (a seat frees every 4 steps of 50 ms, batch never full).
+    _observe_steps(sched, tracker, 100, 0.05, lambda t: [seq(f"q{t}", "A", max_tokens=3)] if not sched.running else [])
+    assert tracker.snapshot.finish_rate is None
+    # A burst: 4 seated, the rest queued. Nobody has waited yet and the rate is unknown: the queue is admitted.
+    _observe_steps(sched, tracker, 1, 0.05, lambda t: [seq(f"b{i}", "A", max_tokens=40) for i in range(12)])
+    assert tracker.snapshot.free_seats == 0 and sum(tracker.snapshot.waiting.values()) >= 8
+    tracker.snapshot = dataclasses.replace(tracker.snapshot, oldest={k: __import__("time").monotonic()
+                                                                     for k in tracker.snapshot.oldest})
+    tracker.check("A", 1.0, Priority.INTERACTIVE, 6)
+    # Saturated long enough to trust: a seat frees about every 10 steps (0.5 s); 9 seats ahead -> refused.
+    _observe_steps(sched, tracker, 60, 0.05, lambda t: [seq(f"c{t}", "A", max_tokens=40)])
+    rate = tracker.snapshot.finish_rate
+    assert rate is not None and 1.0 < rate < 4.0, rate
+    with pytest.raises(EngineUnavailable):
+        tracker.check("A", 1.0, Priority.INTERACTIVE, 6)
+
+
 def test_admission_refuses_over_budget_with_retry_after_and_not_a_tenant_under_its_share(tiny_model):
     engine = make_engine(tiny_model, max_seqs=2, interactive_ttft_slo_s=0.5)
     for i in range(12):
