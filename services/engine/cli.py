@@ -36,7 +36,7 @@ def serve(
     max_lora_rank: int = 64,
     lora_cpu_kernel: str = typer.Option("auto", help="CPU LoRA kernel: auto (native C when it builds, else torch) | native | torch"),
     cpu_attention: str = typer.Option("auto", help="CPU decode attention: auto (native C when it builds, else torch) | native | torch"),
-    cpu_packed_gemm: bool = typer.Option(True, help="CPU fp32 projections through oneDNN with prepacked weights (--no-cpu-packed-gemm: torch's F.linear)"),
+    cpu_packed_gemm: bool = typer.Option(True, help="CPU fp32 projections through oneDNN with prepacked weights where it measures faster at load (--no-cpu-packed-gemm: torch's F.linear)"),
     log_level: str = "info",
     scheduling_policy: str = typer.Option("fair", help="fair (tenants share the batch by weight) | fcfs (arrival order)"),
     interactive_ttft_slo_s: float = typer.Option(2.0, help="Refuse (503 engine_overloaded) interactive requests whose estimated TTFT is over this; 0 = never"),

@@ -436,9 +436,10 @@ class EngineConfig:
     # CPU only: decode attention by "native" = the C paged kernel (kernels/attention_native.py, fp32),
     # "torch" = gather + SDPA, "auto" = native when it builds here and the dtype and shapes fit, else torch.
     cpu_attention: str = "auto"
-    # CPU only: fp32 projections also held prepacked for oneDNN and used for calls of enough rows (model/layers.py,
-    # Linear.pack) -- 1.6-2.4x torch's default fp32 GEMM from 64 rows on the development VM (bench/gemm_bench.py),
-    # at twice the weights' bytes; False: F.linear only.
+    # CPU only: fp32 projections also held prepacked for oneDNN where it pays on this machine -- both paths timed at
+    # load, per projection shape, the packed weight used from the fewest rows where it won (model/layers.py,
+    # Linear.pack): 1.6-2.4x torch's default fp32 GEMM from 64 rows on an AVX-512 VM, a tie on an AVX2 one
+    # (bench/gemm_bench.py); where packed, at twice the weights' bytes. False: F.linear only, nothing measured.
     cpu_packed_gemm: bool = True
     # Failpoints for fault-isolation and chaos tests (never in prod; the CLI refuses them there): a step
     # whose sequences hold the token id of `step_error` raises in the forward, of `crash` kills the

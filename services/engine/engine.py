@@ -163,7 +163,8 @@ class LLMEngine:
         weights, params = self.model.weight_bytes(), self.model.num_params()
         log.info(
             "engine ready: model=%s weights=%.1f MiB (%s; %.2fx the %.1f MiB of bf16) kv=%d blocks x %d tokens "
-            "(%.1f MiB, kv_dtype=%s, %.1f bytes/token) host tier=%d blocks (%.1f MiB) max_model_len=%d attention=%s lora=%s",
+            "(%.1f MiB, kv_dtype=%s, %.1f bytes/token) host tier=%d blocks (%.1f MiB) max_model_len=%d attention=%s lora=%s "
+            "packed gemm=%s",
             config.model_name, weights / 2**20, "fp8" if config.weight_dtype == "fp8" else config.dtype,
             weights / (2 * params), 2 * params / 2**20, num_blocks, block_size, self.runner.kv_cache_bytes / 2**20,
             kv_dtype, self.runner.kv_bytes_per_token, num_host_blocks, num_host_blocks * self.runner.block_bytes / 2**20,
@@ -171,6 +172,7 @@ class LLMEngine:
             "sdpa" if attention_kernel is None else f"{_kernel_name(attention_kernel)} decode + sdpa prefill",
             "off" if self.adapters is None else
             f"{config.lora.max_loras} slots ({self.adapters.cpu_kernel or 'triton'} kernel)",
+            self.model.packing(),
         )
 
     # -- requests ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Small building blocks of the decoder: RMSNorm and projections that may hold FP8 weights."""
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -23,10 +24,58 @@ def can_pack(weight) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-# Below this many multiply-adds a call (rows x out x in) oneDNN's per-call cost loses to F.linear: measured on the
-# development VM (bench/gemm_bench.py), one decode row through a 384 x 256 projection took 2.5x as long packed,
-# and packed won from ~0.75M multiply-adds on (256 x 256 from 12 rows, 384 x 256 from 8, 1376 x 256 from 3).
-PACKED_MIN_MACS = 750_000
+# Packing is measured, not assumed: on the development VM (AMD Zen 5, AVX-512) oneDNN with a packed weight ran
+# 1.6-2.4x torch's F.linear from 64 rows on and lost up to 3x at one row (its per-call cost); on an AVX2 EPYC VM it
+# only tied from 64 rows on and lost below (bench/gemm_bench.py). `packed_min_rows` times both paths on a weight
+# at these row counts, with the threads the engine will step with.
+PACK_TRIAL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PACK_MIN_GAIN = 1.05  # packed must be this much faster (F.linear time / packed time) to be used
+PACK_TRIAL_ROUNDS = 5
+_MEASURED: dict[tuple, int | None] = {}  # (shape, bias, threads) -> packed_min_rows of that measurement
+
+
+def _best_time(fn, x: torch.Tensor, calls: int) -> float:
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - t) / calls
+
+
+def packed_gains(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 rows=PACK_TRIAL_ROWS) -> dict[int, float]:
+    """F.linear's time / the packed weight's, per row count: the fastest of interleaved rounds (another process
+    on the machine only ever adds time), each round ~0.1 ms or more a side."""
+    gen = torch.Generator().manual_seed(0)
+    gains = {}
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, weight.shape[1], generator=gen)
+            calls = max(2, int(2e6 / (m * weight.numel())))
+
+            def dense(v):
+                return F.linear(v, weight, bias)
+
+            def onednn(v):
+                return torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], "")
+
+            dense(x), onednn(x)  # first calls allocate and pick kernels
+            t_dense, t_packed = [], []
+            for _ in range(PACK_TRIAL_ROUNDS):
+                t_dense.append(_best_time(dense, x, calls))
+                t_packed.append(_best_time(onednn, x, calls))
+            gains[m] = min(t_dense) / min(t_packed)
+    return gains
+
+
+def packed_min_rows(gains: dict[int, float]) -> int | None:
+    """The fewest rows from which the packed weight won by PACK_MIN_GAIN at every trial row count (larger calls
+    keep to it: prefill steps), or None where it never did -- then the weight is not held packed at all."""
+    best = None
+    for m in sorted(gains, reverse=True):
+        if gains[m] < PACK_MIN_GAIN:
+            break
+        best = m
+    return best
 
 
 class Linear:
@@ -46,21 +95,26 @@ class Linear:
     def is_fp8(self) -> bool:
         return not isinstance(self.weight, torch.Tensor)
 
-    def pack(self) -> bool:
-        """Also hold W in oneDNN's blocked layout for its matmul: torch's default fp32 CPU GEMM ran at 100-115
-        GFLOP/s a core on the development VM (AMD, AVX-512) where oneDNN with a packed weight ran 235-260 on every
-        projection shape of the serving model from 64 rows on (bench/gemm_bench.py), fp32-exact (a different
-        summation order, as any GEMM's). Calls of fewer rows than `packed_min_rows` (PACKED_MIN_MACS) keep
-        F.linear on the dense W, which is why both are held: on the CPU the weights take twice their bytes
-        (`weight_bytes` counts both). Returns whether it packed (not for FP8, other dtypes or devices, or where
+    def pack(self, min_rows: int | None = None) -> bool:
+        """Also hold W in oneDNN's blocked layout for its matmul (fp32-exact: a different summation order, as any
+        GEMM's), used for calls of `min_rows` rows or more; F.linear on the dense W below, which is why both are
+        held (`weight_bytes` counts both). `min_rows` None: measured on this machine (packed_gains), and W is not
+        packed where packing never wins. Returns whether it packed (not for FP8, other dtypes or devices, or where
         oneDNN refuses)."""
         if self.packed is not None or not can_pack(self.weight):
             return False
         try:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         except RuntimeError:  # this CPU or build has no oneDNN kernel for it: F.linear stays
             return False
-        self.packed_min_rows = -(-PACKED_MIN_MACS // self.weight.numel())
+        if min_rows is None:
+            key = (tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
+            if key not in _MEASURED:  # once a process: a test run builds many engines of one model
+                _MEASURED[key] = packed_min_rows(packed_gains(self.weight, packed, self.bias))
+            min_rows = _MEASURED[key]
+            if min_rows is None:
+                return False
+        self.packed, self.packed_min_rows = packed, min_rows
         return True
 
     @property

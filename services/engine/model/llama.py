@@ -46,11 +46,28 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, dtype, device)
         self.scale = config.head_dim**-0.5
 
-    def pack_weights(self) -> int:
-        """Prepack every dense projection and the LM head for the CPU's oneDNN GEMM too (Linear.pack); returns
-        how many were packed (0 off the CPU, for FP8 weights, or without oneDNN)."""
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(lin.pack() for lin in [*linears, self.lm_head])
+    def pack_weights(self, min_rows: int | None = None) -> int:
+        """Prepack the dense projections and the LM head for the CPU's oneDNN GEMM too (Linear.pack) where it pays:
+        `min_rows` None: measured on this machine, once per projection shape. Returns how many were packed (0 off
+        the CPU, for FP8 weights, without oneDNN, or where it never won)."""
+        for lin in self.projections().values():
+            lin.pack(min_rows)  # measured once a process per shape (Linear.pack)
+        return sum(lin.packed is not None for lin in self.projections().values())
+
+    def projections(self) -> dict[str, Linear]:
+        """Every projection by name ("layers.0.qkv", ..., "lm_head")."""
+        out = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
+               for name in ("qkv", "o", "gate_up", "down")}
+        out["lm_head"] = self.lm_head
+        return out
+
+    def packing(self) -> str:
+        """What pack_weights decided, for the engine's log: "qkv from 64 rows, o off, ..." (layer 0 and the head)."""
+        projs = self.projections()
+        if not any(lin.packed is not None for lin in projs.values()):
+            return "off"
+        return ", ".join(f"{name.rsplit('.', 1)[-1]} " + (f"from {lin.packed_min_rows} rows" if lin.packed is not None else "off")
+                         for name, lin in projs.items() if name.startswith("layers.0.") or name == "lm_head")
 
     def num_params(self) -> int:
         def n(w) -> int:
