@@ -265,6 +265,49 @@ async def _ramp_level(base: str, model: str, key: str, rate: float, seconds: flo
             "other_failures": sum(1 for r in results if not r.ok and r.status != 503)}
 
 
+class _CpuUse:
+    """Where the machine's cores went during a ramp level: CPU seconds per second of wall time of the engines,
+    the gateway, this load generator, and every Postgres and Redis process on the machine. On a 2-core machine
+    the client and the refusals it draws compete with the engines they measure."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        import psutil
+
+        self._me = psutil.Process()
+        self._groups = {"engines": [p.pid for p in procs[:-1]], "gateway": [procs[-1].pid]}
+        self._t0, self._c0 = time.perf_counter(), self._sample()
+
+    def _sample(self) -> dict[str, float]:
+        import psutil
+
+        def cpu(p) -> float:
+            try:
+                t = p.cpu_times()
+                return t.user + t.system
+            except psutil.Error:
+                return 0.0
+
+        def tree(pid: int) -> list:
+            try:
+                p = psutil.Process(pid)
+                return [p, *p.children(recursive=True)]  # an engine's core process is its front-end's child
+            except psutil.Error:
+                return []
+
+        groups = {name: [p for pid in pids for p in tree(pid)] for name, pids in self._groups.items()}
+        out = {name: sum(cpu(p) for p in ps) for name, ps in groups.items()}
+        out["client"] = cpu(self._me)
+        own = {p.pid for ps in groups.values() for p in ps}
+        # pg_ctl daemonizes Postgres (not this process's child): found by name, the machine's own ones too
+        out["services"] = sum(cpu(p) for p in psutil.process_iter(["name"])
+                              if p.pid not in own and (p.info["name"] or "").startswith(("postgres", "redis")))
+        return out
+
+    def cores(self) -> dict[str, float]:
+        c1, dt = self._sample(), time.perf_counter() - self._t0
+        return {k: round((c1[k] - self._c0[k]) / dt, 3) for k in c1}
+
+
 def _start(urls, settings, kit, logs: Path, policy: str, extra: list[str] | None = None) -> tuple[list[subprocess.Popen], str]:
     import redis as sync_redis
 
@@ -334,8 +377,10 @@ def main() -> None:
                 capacity = float(fixed) if fixed else asyncio.run(closed_loop_rate(base, kit.model_name, key_a))
                 print(f"  capacity (closed loop, {RAMP_SEATS} seats per engine): {capacity:.2f} req/s", flush=True)
                 for k, mult in enumerate(RAMP):
+                    cpu = _CpuUse(procs)
                     level = asyncio.run(ramp_level(base, kit.model_name, key_a, mult * capacity, RAMP_LEVEL_S, k + 1))
                     level["multiple"] = mult
+                    level["cpu_cores"] = cpu.cores()
                     ramp.append(level)
                     print(f"  ramp {mult}x: {level}", flush=True)
                     time.sleep(3)  # the queue drains between levels
@@ -367,6 +412,10 @@ def main() -> None:
                     [[lv["multiple"], lv["offered_per_s"], lv["requests"], lv["goodput_per_s"], 100 * lv["in_slo"], lv["refused"],
                       lv["refusal_ms_p50"], lv["refusal_ms_p99"], lv["refusal_ms_max"], lv["refused_with_retry_after"],
                       lv["other_failures"]]
+                     for lv in ramp]))
+        print(table("overload ramp: cores in use per level (CPU s / s)", ["offered x capacity", "engines", "gateway",
+                                                                       "client", "Postgres+Redis"],
+                    [[lv["multiple"], *(lv["cpu_cores"][k] for k in ("engines", "gateway", "client", "services"))]
                      for lv in ramp]))
         refused = sum(lv["refused"] for lv in ramp)
         slowest = max((lv["refusal_ms_max"] for lv in ramp if lv["refusal_ms_max"] is not None), default=float("nan"))
