@@ -178,15 +178,25 @@ async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, h
 
 async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientResponse, first: bytes, index: int,
                        result: StreamResult, clock) -> AsyncIterator[tuple[Delta, Usage | None]]:
-    """The engine's StreamItems as deltas, starting with the first line `_open` already read."""
+    """The engine's StreamItems as deltas, starting with the first line `_open` already read. The lines that have
+    arrived by the time this reads again become one delta: a gateway keeping up sends every step on as it
+    comes, one that lags behind its streams (hundreds of them, beside the engines on the same cores) sends each
+    stream's backlog as one chunk -- one pass through the ASGI stack and one write, not one per step."""
     finished = False
     try:
-        line: bytes = first
-        while line:
-            line = line.strip()
-            if line:
+        buf: bytes = first
+        while buf:
+            cut = buf.rfind(b"\n") + 1
+            lines, buf = buf[:cut].split(b"\n"), buf[cut:]  # a partial last line waits for the rest
+            pending: StreamItem | None = None
+            for line in lines:
+                line = line.strip()
+                if not line:
+                    continue
                 item = _decode(engine, line)
                 if item.error is not None:
+                    if pending is not None:  # what came before the failure is the client's
+                        yield _delta(pending, index), None
                     if item.fault == FAULT_ENGINE and item.error.code == EngineFailed.CODE:
                         router.failed(engine.id)
                         raise EngineLost(f"engine {engine.id} failed mid-stream")
@@ -194,19 +204,32 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientR
                 result.delivered_tokens += len(item.token_ids)
                 if result.first_token_at is None and item.token_ids:
                     result.first_token_at = clock()
-                usage = None
                 if item.usage is not None:
                     u = item.usage
-                    usage = result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                    result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
                     result.compute_seconds = u.compute_seconds
                     result.finish_reason = item.finish_reason
                     finished = True
-                yield Delta(index, item.text, item.token_ids, item.logprobs, item.finish_reason), usage
+                if pending is None:
+                    pending = item
+                else:
+                    pending.extend(item)
+            if pending is not None:
+                yield _delta(pending, index), result.usage if finished else None
+            if finished:
+                try:
+                    await resp.content.read()  # to the body's end: the connection goes back to the pool
+                except _LOST:
+                    resp.close()  # the answer is whole; that connection is not reused
+                break
             try:
-                line = await resp.content.readline()
+                more = await resp.content.readany()  # whatever has arrived, at least one byte; b"" at the end
             except _LOST as exc:
                 router.failed(engine.id)
                 raise EngineLost(f"engine {engine.id} failed mid-stream ({exc.__class__.__name__})") from None
+            if not more:
+                break
+            buf += more
         if not finished:
             router.failed(engine.id)
             raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
@@ -216,6 +239,10 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientR
         else:
             resp.close()  # closing the connection makes the engine abort and free the sequence's KV
         router.closed(engine.id)
+
+
+def _delta(item: StreamItem, index: int) -> Delta:
+    return Delta(index, item.text, item.token_ids, item.logprobs, item.finish_reason)
 
 
 def _decode(engine: EngineInfo, line: bytes) -> StreamItem:
