@@ -34,7 +34,7 @@ PACK_TRIAL_ROUNDS = 5
 _MEASURED: dict[tuple, int | None] = {}  # (shape, bias, threads) -> packed_min_rows of that measurement
 
 
-def _best_time(fn, x: torch.Tensor, calls: int) -> float:
+def _time_per_call(fn, x: torch.Tensor, calls: int) -> float:
     t = time.perf_counter()
     for _ in range(calls):
         fn(x)
@@ -61,8 +61,8 @@ def packed_gains(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
             dense(x), onednn(x)  # first calls allocate and pick kernels
             t_dense, t_packed = [], []
             for _ in range(PACK_TRIAL_ROUNDS):
-                t_dense.append(_best_time(dense, x, calls))
-                t_packed.append(_best_time(onednn, x, calls))
+                t_dense.append(_time_per_call(dense, x, calls))
+                t_packed.append(_time_per_call(onednn, x, calls))
             gains[m] = min(t_dense) / min(t_packed)
     return gains
 
@@ -103,12 +103,14 @@ class Linear:
         oneDNN refuses)."""
         if self.packed is not None or not can_pack(self.weight):
             return False
+        key = (tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
+        if min_rows is None and key in _MEASURED and _MEASURED[key] is None:
+            return False  # this shape lost when measured here: no reorder to throw away
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         except RuntimeError:  # this CPU or build has no oneDNN kernel for it: F.linear stays
             return False
         if min_rows is None:
-            key = (tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
             if key not in _MEASURED:  # once a process: a test run builds many engines of one model
                 _MEASURED[key] = packed_min_rows(packed_gains(self.weight, packed, self.bias))
             min_rows = _MEASURED[key]

@@ -50,9 +50,10 @@ class LlamaModel:
         """Prepack the dense projections and the LM head for the CPU's oneDNN GEMM too (Linear.pack) where it pays:
         `min_rows` None: measured on this machine, once per projection shape. Returns how many were packed (0 off
         the CPU, for FP8 weights, without oneDNN, or where it never won)."""
-        for lin in self.projections().values():
+        projs = self.projections().values()
+        for lin in projs:
             lin.pack(min_rows)  # measured once a process per shape (Linear.pack)
-        return sum(lin.packed is not None for lin in self.projections().values())
+        return sum(lin.packed is not None for lin in projs)
 
     def projections(self) -> dict[str, Linear]:
         """Every projection by name ("layers.0.qkv", ..., "lm_head")."""
