@@ -7,7 +7,8 @@ Noisy neighbour: tenant A sends 300 long streamed completions at once (a 200-tok
 first token and goodput (TTFT <= 1 s) are compared between the engines' `--scheduling-policy fcfs` (the
 old order) and `fair`, in the same run, and A's throughput with B beside it against A alone.
 
-Overload ramp: one tenant's Poisson arrivals at 0.5x to 3x the rate the fleet completes in a closed loop;
+Overload ramp: one tenant's Poisson arrivals (64-192 new tokens each) at 0.5x to 3x the rate the fleet
+completes in a closed loop;
 goodput (requests whose first token came within 2 s, the interactive budget) per level, and how fast and
 how the refused ones (503 engine_overloaded) were refused.
 """
@@ -42,7 +43,11 @@ TTFT_SLO_S = 1.0
 # MPLEX_BENCH_FAIR_RAMP: other multiples, to look at one level (with MPLEX_BENCH_FAIR_CAPACITY, no capacity run)
 RAMP = tuple(float(x) for x in os.environ.get("MPLEX_BENCH_FAIR_RAMP", "0.5,1,1.5,2,3").split(","))
 RAMP_LEVEL_S = float(os.environ.get("MPLEX_BENCH_FAIR_RAMP_S", "15"))
-RAMP_MAX_TOKENS = 128
+# A ramp request's new tokens: 64-192, 128 on average, a fixed spread by request number. With one length for
+# every request, the seats filled at a level's start all free in the same step, and every wave after them
+# too: a 15 s level then counts a whole number of waves (~2 s each here), and its goodput moves by one wave
+# (~15%) with where the level's end falls between two waves -- not with the scheduler.
+RAMP_MAX_TOKENS = (64, 192)
 RAMP_SLO_S = 2.0
 # The ramp's engines have few seats, so that three times their capacity is a rate this machine's client can
 # offer (with 256 seats each, the load generator saturates its own cores before the engines fill).
@@ -189,10 +194,11 @@ async def noisy_neighbour(base: str, model: str, key_a: str, key_b: str, with_b:
     return out
 
 
-async def closed_loop_rate(base: str, model: str, key: str, warmup_s: float = 6.0, seconds: float = 10.0,
+async def closed_loop_rate(base: str, model: str, key: str, warmup_s: float = 6.0, seconds: float = 20.0,
                            clients: int = 4 * RAMP_SEATS) -> float:
     """Requests completed per second by `clients` looping clients (enough to fill every seat), counted after
-    a warm-up: the fleet's capacity for the ramp's requests."""
+    a warm-up: the fleet's capacity for the ramp's requests. Counted over 20 s: over 10 s, back-to-back runs
+    read 18.0-25.5 req/s on one VM (stop 38), and a low reading makes the ramp's 3x a milder overload."""
     done: list[float] = []
     t0 = time.perf_counter()
     stop = t0 + warmup_s + seconds
@@ -216,7 +222,8 @@ async def closed_loop_rate(base: str, model: str, key: str, warmup_s: float = 6.
 
 def _ramp_body(model: str, i: int) -> dict:
     words = " ".join(f"w{(i * 17 + j) % 991}" for j in range(30))
-    return {"model": model, "prompt": f"Answer: {words}", "max_tokens": RAMP_MAX_TOKENS, "ignore_eos": True,
+    lo, hi = RAMP_MAX_TOKENS
+    return {"model": model, "prompt": f"Answer: {words}", "max_tokens": lo + (i * 37) % (hi - lo + 1), "ignore_eos": True,
             "temperature": 0}
 
 
@@ -252,10 +259,12 @@ async def ramp_level(base: str, model: str, key: str, rate: float, seconds: floa
 async def _ramp_level(base: str, model: str, key: str, rate: float, seconds: float, seed: int) -> dict:
     rng = random.Random(seed)
     async with _session(base, limit=2000) as c:
-        tasks = []
-        t_end = time.perf_counter() + seconds
+        tasks, sent = [], []
+        t_start = time.perf_counter()
+        t_end = t_start + seconds
         i = 0
         while time.perf_counter() < t_end:
+            sent.append(time.perf_counter() - t_start)
             tasks.append(asyncio.create_task(stream(c, key, _ramp_body(model, seed * 100000 + i))))
             i += 1
             await asyncio.sleep(rng.expovariate(rate))
@@ -269,6 +278,9 @@ async def _ramp_level(base: str, model: str, key: str, rate: float, seconds: flo
             "refusal_ms_p50": 1000 * pct([r.total for r in refused], 50) if refused else None,
             "refusal_ms_p99": 1000 * pct([r.total for r in refused], 99) if refused else None,
             "refusal_ms_max": 1000 * max(r.total for r in refused) if refused else None,
+            # (seconds into the level it was sent, ms): where in the level the slow refusals fall
+            "refusal_slowest": sorted(((round(at, 2), round(1000 * r.total, 1)) for at, r in zip(sent, results)
+                                       if r.status == 503), key=lambda x: -x[1])[:5],
             "ttft_p50_s": pct([r.ttft for r in results if r.ttft is not None], 50) if any(r.ttft for r in results) else None,
             "other_failures": sum(1 for r in results if not r.ok and r.status != 503)}
 
