@@ -8,9 +8,8 @@ first token and goodput (TTFT <= 1 s) are compared between the engines' `--sched
 old order) and `fair`, in the same run, and A's throughput with B beside it against A alone.
 
 Overload ramp: one tenant's Poisson arrivals (64-192 new tokens each) at 0.5x to 3x the rate the fleet
-completes in a closed loop;
-goodput (requests whose first token came within 2 s, the interactive budget) per level, and how fast and
-how the refused ones (503 engine_overloaded) were refused.
+completes in a closed loop; goodput (requests whose first token came within 2 s, the interactive budget)
+per level, and how fast and how the refused ones (503 engine_overloaded) were refused.
 """
 from __future__ import annotations
 
