@@ -45,19 +45,18 @@ def packed_gains(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
                  rows=PACK_TRIAL_ROWS) -> dict[int, float]:
     """F.linear's time / the packed weight's, per row count: the fastest of interleaved rounds (another process
     on the machine only ever adds time), each round ~0.1 ms or more a side."""
+    def dense(v):
+        return F.linear(v, weight, bias)
+
+    def onednn(v):
+        return torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], "")
+
     gen = torch.Generator().manual_seed(0)
     gains = {}
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, weight.shape[1], generator=gen)
             calls = max(2, int(2e6 / (m * weight.numel())))
-
-            def dense(v):
-                return F.linear(v, weight, bias)
-
-            def onednn(v):
-                return torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], "")
-
             dense(x), onednn(x)  # first calls allocate and pick kernels
             t_dense, t_packed = [], []
             for _ in range(PACK_TRIAL_ROUNDS):
