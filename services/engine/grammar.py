@@ -18,6 +18,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -45,6 +46,7 @@ class GrammarCache:
                  max_entries: int = DEFAULT_CACHE_ENTRIES):
         self.vocab_size = vocab_size
         self.info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.utf8 = Utf8Guard.of(tokenizer, vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._entries: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -86,7 +88,7 @@ class GrammarCache:
                                  "invalid_schema") from None
 
     def matcher(self, guide_text: str) -> Matcher:
-        return Matcher(xgr.GrammarMatcher(self.get(Guide.parse(guide_text))))
+        return Matcher(xgr.GrammarMatcher(self.get(Guide.parse(guide_text))), self.utf8)
 
 
 def _tool_calls_tag(guide: Guide) -> dict:
@@ -142,16 +144,96 @@ def _tokenizer_info(tok: TokenizerInfo, vocab_size: int, stop_ids: tuple[int, ..
                              stop_token_ids=list(stop_ids), add_prefix_space=False)
 
 
+# -- strict UTF-8 for constrained output ------------------------------------------------------------------
+# xgrammar matches a character class (a JSON string's `[^"\\]`, our length patterns) byte-wise by a lead
+# byte's length only: after F0 it takes any continuation byte, so F0 89 99 82 (overlong, not UTF-8) passed as
+# one character of a `maxLength: 10` string, and the client's JSON held four U+FFFD for it -- 13 characters,
+# schema-invalid (found by tests/engine/test_structured.py on the stop-39 kit, sampled at temperature 1). The
+# guard tracks each constrained sequence's UTF-8 decoder state and masks the tokens whose bytes would not
+# continue valid UTF-8 (RFC 3629: no overlongs, no surrogates, nothing above U+10FFFF).
+_S0, _C1, _C2, _C3, _E0, _ED, _F0, _F4, _BAD = range(9)  # ready; 1-3 continuations due; constrained 2nd byte
+
+
+def _utf8_table() -> np.ndarray:
+    """next state [state, byte] of a strict UTF-8 decoder (_BAD: invalid, and stays so)."""
+    t = np.full((9, 256), _BAD, dtype=np.int8)
+    t[_S0, 0x00:0x80] = _S0
+    t[_S0, 0xC2:0xE0] = _C1
+    t[_S0, 0xE0], t[_S0, 0xED] = _E0, _ED
+    t[_S0, 0xE1:0xED] = t[_S0, 0xEE:0xF0] = _C2
+    t[_S0, 0xF0], t[_S0, 0xF4] = _F0, _F4
+    t[_S0, 0xF1:0xF4] = _C3
+    t[_C1, 0x80:0xC0] = _S0
+    t[_C2, 0x80:0xC0] = _C1
+    t[_C3, 0x80:0xC0] = _C2
+    t[_E0, 0xA0:0xC0] = _C1
+    t[_ED, 0x80:0xA0] = _C1
+    t[_F0, 0x90:0xC0] = _C2
+    t[_F4, 0x80:0x90] = _C2
+    return t
+
+
+class Utf8Guard:
+    """Per vocabulary: for each decoder state, the tokens that keep the output valid UTF-8 (a packed bitmask in
+    xgrammar's layout) and the state each leads to. Tokens without bytes (special, stop, padding) only at a
+    character boundary."""
+
+    STATES = 8
+
+    def __init__(self, token_bytes: list[bytes], vocab_size: int):
+        table = _utf8_table()
+        n = vocab_size
+        width = max(1, max((len(b) for b in token_bytes[:n]), default=1))
+        raw = np.zeros((n, width), dtype=np.int16)
+        lens = np.zeros(n, dtype=np.int64)
+        for i, b in enumerate(token_bytes[:n]):
+            raw[i, :len(b)] = np.frombuffer(b, dtype=np.uint8)
+            lens[i] = len(b)
+        state = np.repeat(np.arange(self.STATES, dtype=np.int8)[:, None], n, axis=1)  # [states, vocab]
+        for j in range(width):
+            live = lens > j
+            state[:, live] = table[state[:, live].astype(np.int64), raw[live, j]]
+        empty = lens == 0
+        state[:, empty] = _BAD
+        state[_S0, empty] = _S0
+        self.next = state  # [states, vocab]: the state after the token (_BAD: not allowed)
+        ok = np.zeros((self.STATES, (n + 31) // 32 * 32), dtype=bool)
+        ok[:, :n] = state != _BAD
+        bits = np.packbits(ok.reshape(self.STATES, -1, 32), axis=-1, bitorder="little")  # [states, words, 4] bytes
+        self.masks = torch.from_numpy(bits.copy().view(np.int32).reshape(self.STATES, -1))  # little-endian words
+
+    @classmethod
+    def of(cls, tok: TokenizerInfo, vocab_size: int) -> Utf8Guard | None:
+        """None for a vocabulary without byte-level tokens (xgrammar then reads HF's; not guarded)."""
+        if tok.token_bytes is None:
+            return None
+        return cls([b"" if i in tok.special_ids else b for i, b in enumerate(tok.token_bytes)], vocab_size)
+
+    def apply(self, bitmask: torch.Tensor, states: list[int]) -> None:
+        """AND each row of `bitmask` with its state's mask; a row the guard would empty (the grammar offers only
+        what is not UTF-8) keeps the grammar's mask -- never an all-masked row."""
+        guarded = bitmask & self.masks[torch.tensor(states, dtype=torch.int64)]
+        empty = (guarded == 0).all(dim=1)
+        bitmask.copy_(torch.where(empty[:, None], bitmask, guarded))
+
+
 class Matcher:
-    """One constrained sequence's place in its grammar."""
+    """One constrained sequence's place in its grammar, and its UTF-8 decoder state (Utf8Guard)."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("raw", "guard", "utf8")
 
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, guard: Utf8Guard | None = None):
         self.raw = matcher
+        self.guard = guard
+        self.utf8 = _S0
 
     def accept(self, token: int) -> bool:
-        return self.raw.accept_token(token)
+        if not self.raw.accept_token(token):
+            return False
+        if self.guard is not None and 0 <= token < self.guard.next.shape[1]:
+            nxt = int(self.guard.next[self.utf8, token])
+            self.utf8 = nxt if nxt != _BAD else _S0  # (a fallback row's invalid byte: start afresh)
+        return True
 
     @property
     def is_terminated(self) -> bool:
@@ -184,6 +266,9 @@ class MaskFiller:
         t0 = time.perf_counter()
         bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)
         self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], bitmask)
+        guard = matchers[0].guard if matchers else None
+        if guard is not None:
+            guard.apply(bitmask, [m.utf8 for m in matchers])
         self.fill_seconds = 0.9 * self.fill_seconds + 0.1 * (time.perf_counter() - t0)
         return bitmask
 

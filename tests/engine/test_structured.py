@@ -361,3 +361,82 @@ def test_masks_filled_on_the_worker_thread_or_after_the_forward_are_the_same(dem
         runs[below] = run_all(engine, reqs)
         assert handed and all((p.future is not None) == (below == 0.0) for p in handed)
     assert runs[0.0] == runs[float("inf")]
+
+
+# -- strict UTF-8 under a grammar (grammar.Utf8Guard) --------------------------------------------------------
+# One representative byte prefix per decoder state (grammar._S0 ... _F4, in that order).
+_STATE_PREFIXES = (b"", b"\xc3", b"\xe1", b"\xf1", b"\xe0", b"\xed", b"\xf0", b"\xf4")
+
+
+def _utf8_ok(data: bytes) -> bool:
+    """Is `data` the start of valid UTF-8 (a character may be left unfinished)? Python's strict decoder on
+    `data` finished some way: an unfinished character's next byte is one of 80 / 90 / A0 (the second byte's
+    ranges after E0, ED, F0, F4 differ), then 80s. (Its incremental decoder is no oracle: it holds ED A1 back
+    as unfinished, where no completion is valid.)"""
+    ends = [b""] + [first + b"\x80" * k for first in (b"\x80", b"\x90", b"\xa0") for k in range(3)]
+    for end in ends:
+        try:
+            (data + end).decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            continue
+    return False
+
+
+@pytest.fixture(scope="module")
+def guard(demo_kit):
+    from services.engine.detokenizer import TokenizerInfo
+    from services.engine.grammar import Utf8Guard
+
+    info = TokenizerInfo(demo_kit.base_dir)
+    g = Utf8Guard.of(info, len(info.token_bytes))
+    assert g is not None
+    return g, info
+
+
+def test_the_utf8_guard_allows_exactly_what_a_strict_decoder_accepts(guard):
+    """Every (state, token) against Python's strict UTF-8 decoder, on the demo vocabulary (its byte tokens
+    include every lead and continuation byte): allowed iff the state's prefix plus the token's bytes is valid;
+    the packed mask agrees with the table bit for bit."""
+    g, info = guard
+    n = g.next.shape[1]
+    bits = ((g.masks[:, :, None] >> torch.arange(32)) & 1).reshape(len(_STATE_PREFIXES), -1)[:, :n].bool()
+    for s, prefix in enumerate(_STATE_PREFIXES):
+        for t in range(n):
+            b = b"" if t in info.special_ids else info.token_bytes[t]
+            want = _utf8_ok(prefix + b) if b else s == 0  # no bytes: only between characters
+            assert (g.next[s, t] != 8) == want == bool(bits[s, t]), (s, t, b)
+    f0 = info.token_bytes.index(b"\xf0")
+    assert g.next[0, f0] == 6 and g.next[6, info.token_bytes.index(b"\x89")] == 8  # the overlong the test found
+    assert g.next[6, info.token_bytes.index(b"\x9f")] == 2
+
+
+def test_guarded_masks_keep_sampled_bytes_utf8_and_never_empty_a_row(guard):
+    """Random walks through the guarded masks (what the sampler may pick) decode strictly; a grammar mask the
+    guard would empty is left as the grammar made it."""
+    import random
+
+    g, _ = guard
+    n = g.next.shape[1]
+    rng = random.Random(5)
+    for walk in range(20):
+        state, data = 0, b""
+        for _ in range(60):
+            full = torch.full((1, g.masks.shape[1]), -1, dtype=torch.int32)
+            g.apply(full, [state])
+            allowed = [t for t in range(n) if (int(full[0, t // 32]) >> (t % 32)) & 1]
+            t = rng.choice(allowed)
+            data += g_bytes(guard, t)
+            state = int(g.next[state, t])
+            assert _utf8_ok(data), (walk, data)
+    only_bad = torch.zeros((1, g.masks.shape[1]), dtype=torch.int32)
+    bad = guard[1].token_bytes.index(b"\x89")
+    only_bad[0, bad // 32] = 1 << (bad % 32)
+    kept = only_bad.clone()
+    g.apply(kept, [0])  # a continuation byte at a character boundary: not UTF-8, yet all the grammar allows
+    assert torch.equal(kept, only_bad)
+
+
+def g_bytes(guard, t: int) -> bytes:
+    _, info = guard
+    return b"" if t in info.special_ids else info.token_bytes[t]
