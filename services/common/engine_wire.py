@@ -94,6 +94,8 @@ class StreamUsage(BaseModel):
     completion_tokens: int
     compute_seconds: float = 0.0
     engine_id: str = ""
+    draft_tokens: int = 0  # speculative decoding: drafted / accepted for this request (openai_protocol.Usage)
+    accepted_draft_tokens: int = 0
 
 
 class StreamError(BaseModel):

@@ -308,19 +308,33 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding: draft tokens verified for the request, and of those the ones accepted. Reported in
+    # OpenAI's `completion_tokens_details` (its predicted-outputs fields) when anything was drafted; billing
+    # counts `completion_tokens` only -- the tokens emitted, the same with and without speculation.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def add(self, other: "Usage") -> None:
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
         self.cached_tokens += other.cached_tokens
+        self.draft_tokens += other.draft_tokens
+        self.accepted_draft_tokens += other.accepted_draft_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.draft_tokens:
+            # accepted: drafted tokens that are in the completion (a stop string can cut some accepted ones off);
+            # rejected: drafted tokens the target model did not produce (computed, never emitted nor billed).
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": min(self.accepted_draft_tokens, self.completion_tokens),
+                "rejected_prediction_tokens": self.draft_tokens - self.accepted_draft_tokens}
+        return out
 
 
 @dataclass(slots=True)

@@ -284,4 +284,5 @@ class CoreClient:
             lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d.logprobs[: len(tokens)]]
         return RequestOutput(d.request_id, tokens, text, reason is not None, reason, d.num_prompt_tokens,
                              d.num_cached_tokens, d.num_output_tokens - dropped, d.compute_seconds, lps,
-                             clamped_from=d.clamped_from)
+                             clamped_from=d.clamped_from, num_draft_tokens=d.num_draft_tokens,
+                             num_accepted_tokens=d.num_accepted_tokens)

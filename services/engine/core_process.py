@@ -226,7 +226,8 @@ def _delta(out: RequestOutput) -> Delta:
         lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
     return Delta(out.request_id, out.new_token_ids, out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
                  out.num_output_tokens, out.compute_seconds, lps,
-                 ErrorInfo.of(out.error) if out.error is not None else None, out.clamped_from)
+                 ErrorInfo.of(out.error) if out.error is not None else None, out.clamped_from, out.num_draft_tokens,
+                 out.num_accepted_tokens)
 
 
 def _reply(msg: Call, fn, engine: LLMEngine) -> CallReply:

@@ -117,6 +117,8 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # (token, logprob, top)
     error: ErrorInfo | None = None
     clamped_from: int | None = None
+    num_draft_tokens: int = 0  # speculative decoding: running totals, drafted and accepted
+    num_accepted_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):

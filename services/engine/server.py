@@ -304,7 +304,8 @@ class EngineServer:
                                                 "cached_tokens": out.num_cached_tokens})
             usage = StreamUsage(prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
                                 completion_tokens=out.num_output_tokens, compute_seconds=out.compute_seconds,
-                                engine_id=self.engine.info.engine_id)
+                                engine_id=self.engine.info.engine_id, draft_tokens=out.num_draft_tokens,
+                                accepted_draft_tokens=out.num_accepted_tokens)
         return StreamItem(text=out.new_text, token_ids=out.new_token_ids, logprobs=_logprob_items(self.engine.tokenizer, out),
                           finish_reason=out.finish_reason, usage=usage)
 
@@ -324,7 +325,8 @@ def _logprob_items(tok, out: RequestOutput) -> list[dict[str, Any]] | None:
 
 
 def _usage(out: RequestOutput) -> Usage:
-    return Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+    return Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, out.num_draft_tokens,
+                 out.num_accepted_tokens)
 
 
 async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:

@@ -206,7 +206,8 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientR
                     result.first_token_at = clock()
                 if item.usage is not None:
                     u = item.usage
-                    result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                    result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.draft_tokens,
+                                         u.accepted_draft_tokens)
                     result.compute_seconds = u.compute_seconds
                     result.finish_reason = item.finish_reason
                     finished = True

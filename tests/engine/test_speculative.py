@@ -531,6 +531,9 @@ def test_split_path_multi_token_deltas_keep_stops_and_usage(tiny_model):
         assert o.new_token_ids == p["tokens"] and o.new_text == p["text"], r["id"]
         assert o.finish_reason == p["last"].finish_reason
         assert o.num_output_tokens == len(o.new_token_ids)
+    # the draft / accepted totals cross the core protocol (the engine's server reports them in `usage`)
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert all(0 <= o.num_accepted_tokens <= o.num_draft_tokens for o in outs)
 
 
 # -- the draft-model drafter (spec/draft_model.py) -----------------------------------------------------

@@ -97,6 +97,8 @@ class Call:
                 u.prompt_tokens += len(job.prompt_ids)
                 u.cached_tokens += r.usage.cached_tokens
             u.completion_tokens += r.usage.completion_tokens if self.delivered else r.sent_tokens
+            u.draft_tokens += r.usage.draft_tokens
+            u.accepted_draft_tokens += r.usage.accepted_draft_tokens
         return u
 
     def sent(self, choice: int, tokens: int) -> None:
@@ -308,7 +310,8 @@ def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, 
         async for delta, usage in open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic,
                                               coalesce):
             if usage is not None and not counts_prompt:
-                usage = Usage(0, usage.completion_tokens, 0)  # a prompt counts once, however many choices it has
+                # a prompt counts once, however many choices it has
+                usage = Usage(0, usage.completion_tokens, 0, usage.draft_tokens, usage.accepted_draft_tokens)
             yield delta, usage
 
     return gen()
