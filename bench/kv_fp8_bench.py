@@ -85,7 +85,7 @@ def _throughput(kit, reqs) -> tuple[list[list], dict]:
                 engine.check_integrity()
                 runs[kv].append({"wall_s": wall, "cpu_s": cpu, "output_tok_s": tokens / wall,
                                  "output_tok_per_cpu_s": tokens / cpu, "steps": engine.stats.steps - steps0,
-                                 "preemptions": engine.metrics.preemptions._value.get()})
+                                 "preemptions": engine.scheduler.num_preemptions})
                 print(f"  {mib} MiB {kv}: {tokens / wall:.0f} tok/s, {tokens / cpu:.0f} tok/cpu-s, "
                       f"{runs[kv][-1]['steps']} steps, {runs[kv][-1]['preemptions']:.0f} preemptions", flush=True)
                 del engine
