@@ -131,7 +131,7 @@ class KitConfig:
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
-# Four adapters that differ in everything the engine has to get right: rank, targets, alpha,
+# Five adapters that differ in everything the engine has to get right: rank, targets, alpha,
 # rsLoRA scaling and per-module rank/alpha overrides.
 DEMO_ADAPTERS = (
     AdapterSpec(
@@ -153,6 +153,12 @@ DEMO_ADAPTERS = (
         target_modules=("q_proj", "v_proj", "o_proj") + _MLP,
         rank_pattern=(("down_proj", 8),), alpha_pattern=(("down_proj", 32),),
         train=TrainConfig(steps=800, batch_size=48, lr=5e-3, warmup_steps=20),
+    ),
+    AdapterSpec(
+        # Attention only: copying a span is attention's work (the base copies lists; this adapter points it at
+        # a record's note). The kit's copy-heavy task, where prompt-lookup speculation pays (bench/spec_bench.py).
+        name="extract", task="extract", rank=16, lora_alpha=32, target_modules=_ATTN,
+        train=TrainConfig(steps=600, batch_size=48, lr=5e-3, warmup_steps=20),
     ),
 )
 

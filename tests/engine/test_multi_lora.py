@@ -85,14 +85,18 @@ def workload(demo_kit, adapters):
     """Requests spread over every adapter plus base rows; some share a system prompt (prefix hits)."""
     builder = PromptBuilder(demo_kit.base_dir)
     names = list(adapters)
-    questions = []
-    for a in demo_kit.adapters.values():
-        questions += [json.loads(x)["prompt"] for x in a.eval_path.read_text().splitlines()[:3]]
+    own = {n: [json.loads(x)["prompt"] for x in a.eval_path.read_text().splitlines()[:3]]
+           for n, a in demo_kit.adapters.items()}
+    questions = [q for qs in own.values() for q in qs]
     shared = "Follow the instruction exactly. " * 5
     work = []
+    k = 0  # adapter rows so far: every adapter gets one before any gets a second
     for i in range(26):
-        adapter = None if i % 6 == 5 else names[i % len(names)]
-        q = questions[i % len(questions)]
+        adapter = None
+        if i % 6 != 5:
+            adapter, k = names[k % len(names)], k + 1
+        # a demo adapter on its own task (its real answers: `extract` copies, so prompt lookup drafts right)
+        q = own[adapter][i % 3] if adapter in own else questions[i % len(questions)]
         messages = [{"role": "user", "content": q}]
         if i % 4 == 0:
             messages.insert(0, {"role": "system", "content": shared})

@@ -148,7 +148,9 @@ def test_interactive_arrivals_swap_out_batch_sequences_and_everyone_matches_the_
     """Preemption by priority: batch-class choices are running when interactive requests arrive and KV
     is short; the batch sequences are swapped out, not recomputed, and finish identically."""
     need = max(len(p) + MAX_NEW for p in prompts)
-    engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 20, budget=256, preemption_mode="swap")
+    # The pool's slack is calibrated on the kit's answers (+20 swapped on stop 33's kit; on stop 39's, whose
+    # answers end sooner, +18 still does, +20 not): +10 runs short with room for every swap-in.
+    engine = make_engine(demo_kit.base_dir, block_size=4, num_blocks=need // 4 + 10, budget=256, preemption_mode="swap")
     batch = choices(prompts, GREEDY, n=2, priority=Priority.BATCH)
     for r in batch:
         engine.add_request(r["id"], r["prompt"], r["params"], priority=Priority.BATCH)

@@ -167,9 +167,10 @@ def test_sixteen_plus_adapters_mixed_tp2_equal_tp1(demo_kit, adapter_refs):
         requests.append({"id": f"a{i}", "prompt": builder.chat_ids(messages), "params": params, "adapter": adapter})
     need = max(len(r["prompt"]) for r in requests) + 20
     # 6 slots for 16 adapters (installs and evictions replayed on rank 1), a tiny budget (chunks) and a pool
-    # too small for the batch (preemption, by recompute).
+    # too small for the batch (preemption, by recompute). The pool is calibrated on the kit's answers: the
+    # stop-39 kit's adapters answer right and stop sooner, and +40 blocks no longer ran short (+36 still did).
     config = make_config(demo_kit.base_dir, max_loras=6, max_cpu_loras=8, block_size=8, budget=48,
-                         num_blocks=need // 8 + 40, preemption_mode="recompute")
+                         num_blocks=need // 8 + 20, preemption_mode="recompute")
     want, got, facts = run_pair(config, requests)
     assert facts["preemptions"] > 0 and facts["slot_loads"] > 6, facts
 
