@@ -138,7 +138,7 @@ def _tokenizer_info(tok: TokenizerInfo, vocab_size: int, stop_ids: tuple[int, ..
 
         hf = PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer)
         return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-    vocab = [b"" if i in tok.special_ids else b for i, b in enumerate(tok.token_bytes)]
+    vocab = _text_bytes(tok)
     vocab += [b""] * (vocab_size - len(vocab))
     return xgr.TokenizerInfo(vocab[:vocab_size], xgr.VocabType.RAW, vocab_size=vocab_size,
                              stop_token_ids=list(stop_ids), add_prefix_space=False)
@@ -207,7 +207,7 @@ class Utf8Guard:
         """None for a vocabulary without byte-level tokens (xgrammar then reads HF's; not guarded)."""
         if tok.token_bytes is None:
             return None
-        return cls([b"" if i in tok.special_ids else b for i, b in enumerate(tok.token_bytes)], vocab_size)
+        return cls(_text_bytes(tok), vocab_size)
 
     def apply(self, bitmask: torch.Tensor, states: list[int]) -> None:
         """AND each row of `bitmask` with its state's mask; a row the guard would empty (the grammar offers only
@@ -215,6 +215,12 @@ class Utf8Guard:
         guarded = bitmask & self.masks[torch.tensor(states, dtype=torch.int64)]
         empty = (guarded == 0).all(dim=1)
         bitmask.copy_(torch.where(empty[:, None], bitmask, guarded))
+
+
+def _text_bytes(tok: TokenizerInfo) -> list[bytes]:
+    """Each token's bytes as text (a byte-level vocabulary); special tokens none, so no grammar admits one."""
+    assert tok.token_bytes is not None
+    return [b"" if i in tok.special_ids else b for i, b in enumerate(tok.token_bytes)]
 
 
 class Matcher:

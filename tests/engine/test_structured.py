@@ -403,7 +403,7 @@ def test_the_utf8_guard_allows_exactly_what_a_strict_decoder_accepts(guard):
     bits = ((g.masks[:, :, None] >> torch.arange(32)) & 1).reshape(len(_STATE_PREFIXES), -1)[:, :n].bool()
     for s, prefix in enumerate(_STATE_PREFIXES):
         for t in range(n):
-            b = b"" if t in info.special_ids else info.token_bytes[t]
+            b = _text(info, t)
             want = _utf8_ok(prefix + b) if b else s == 0  # no bytes: only between characters
             assert (g.next[s, t] != 8) == want == bool(bits[s, t]), (s, t, b)
     f0 = info.token_bytes.index(b"\xf0")
@@ -426,7 +426,7 @@ def test_guarded_masks_keep_sampled_bytes_utf8_and_never_empty_a_row(guard):
             g.apply(full, [state])
             allowed = [t for t in range(n) if (int(full[0, t // 32]) >> (t % 32)) & 1]
             t = rng.choice(allowed)
-            data += g_bytes(guard, t)
+            data += _text(guard[1], t)
             state = int(g.next[state, t])
             assert _utf8_ok(data), (walk, data)
     only_bad = torch.zeros((1, g.masks.shape[1]), dtype=torch.int32)
@@ -437,6 +437,6 @@ def test_guarded_masks_keep_sampled_bytes_utf8_and_never_empty_a_row(guard):
     assert torch.equal(kept, only_bad)
 
 
-def g_bytes(guard, t: int) -> bytes:
-    _, info = guard
+def _text(info, t: int) -> bytes:
+    """A token's bytes as text: none for a special token (as the grammar sees the vocabulary)."""
     return b"" if t in info.special_ids else info.token_bytes[t]
