@@ -82,9 +82,13 @@ _INVALID = b"-"  # negative cache entry: a well-formed key that does not exist o
 
 class KeyAuth:
     """Verified keys are cached in Redis for `ttl_s` (shared by every gateway) and in-process for
-    LOCAL_TTL_S on top, so a revoked key stops working within ttl_s + LOCAL_TTL_S everywhere."""
+    LOCAL_TTL_S on top. An in-process entry past LOCAL_TTL_S is still used for up to LOCAL_STALE_S more while
+    one fetch renews it in the background, so a Redis that answers late never holds a key's requests (under
+    overload, refusals that must be quick); a revoked key stops working within ttl_s + LOCAL_TTL_S (plus the
+    renewal's own time, at most LOCAL_STALE_S) everywhere, and at once through the gateway that revoked it."""
 
     LOCAL_TTL_S = 1.0
+    LOCAL_STALE_S = 2.0
 
     def __init__(self, redis: aioredis.Redis, session_factory: sessionmaker[Session], secret_key: str, ttl_s: float):
         self.redis = redis
@@ -93,7 +97,8 @@ class KeyAuth:
         self.ttl_ms = int(ttl_s * 1000)
         self._local: dict[str, tuple[float, KeyPrincipal]] = {}
         self._touched: dict[uuid.UUID, float] = {}
-        self._fetching: dict[str, asyncio.Task] = {}  # cache key -> the fetch in flight (see _shared_fetch)
+        self._fetching: dict[str, asyncio.Task] = {}  # cache key -> the fetch in flight (see _fetch_started)
+        self._touching: set[asyncio.Task] = set()  # last-use writes under way (held: the loop keeps weak refs)
 
     async def authenticate(self, authorization: str | None) -> KeyPrincipal:
         if not authorization or not authorization.lower().startswith("bearer "):
@@ -108,34 +113,45 @@ class KeyAuth:
         cache_key = f"kc:{hash_secret(parsed.full)}"
         local = self._local.get(cache_key)
         now = time.monotonic()
-        if local is not None and local[0] > now:
+        if local is not None and local[0] + self.LOCAL_STALE_S > now:
+            if local[0] <= now:
+                self._fetch_started(cache_key, parsed)  # renewed in the background; this request goes on
             principal = local[1]
-            if principal.suspended:
-                raise PermissionDeniedError("This tenant is suspended; contact your administrator.", code="tenant_suspended")
-            await self._touch(principal.key_id)
-            return principal
-        principal = await self._shared_fetch(cache_key, parsed)
+        else:
+            principal = await asyncio.shield(self._fetch_started(cache_key, parsed))
         if principal is None:
             raise AuthenticationError(f"Incorrect API key provided: mpx_{parsed.prefix}_***.", code="invalid_api_key")
-        if len(self._local) > 50_000:
-            self._local.clear()
-        self._local[cache_key] = (now + min(self.LOCAL_TTL_S, self.ttl_ms / 1000), principal)
         if principal.suspended:
             raise PermissionDeniedError("This tenant is suspended; contact your administrator.", code="tenant_suspended")
-        await self._touch(principal.key_id)
+        self._touch(principal.key_id)
         return principal
 
-    async def _shared_fetch(self, cache_key: str, parsed) -> KeyPrincipal | None:
-        """The key's principal (None: no such key) from Redis or the database, one fetch per key at a time:
+    def _fetch_started(self, cache_key: str, parsed) -> asyncio.Task:
+        """The key's fetch from Redis or the database (its result None: no such key), one per key at a time:
         concurrent requests with the same key wait on the one in flight. A tenant's burst of 300 requests on a
         cold cache would otherwise run 300 identical Redis reads and database queries, and every other tenant's
         first request would queue behind them in the thread pool. The fetch is its own task, so a caller that
-        hangs up never cancels it for the others."""
+        hangs up never cancels it for the others; it stores its principal in the in-process cache."""
         task = self._fetching.get(cache_key)
         if task is None:
-            task = self._fetching[cache_key] = asyncio.create_task(self._fetch(cache_key, parsed))
-            task.add_done_callback(lambda _: self._fetching.pop(cache_key, None))
-        return await asyncio.shield(task)
+            task = self._fetching[cache_key] = asyncio.create_task(self._renew(cache_key, parsed))
+            task.add_done_callback(lambda t: self._fetched(cache_key, t))
+        return task
+
+    def _fetched(self, cache_key: str, task: asyncio.Task) -> None:
+        self._fetching.pop(cache_key, None)
+        if not task.cancelled():
+            task.exception()  # a failed renewal is retried by the next request; the waiting ones saw its error
+
+    async def _renew(self, cache_key: str, parsed) -> KeyPrincipal | None:
+        principal = await self._fetch(cache_key, parsed)
+        if principal is None:
+            self._local.pop(cache_key, None)
+            return None
+        if len(self._local) > 50_000:
+            self._local.clear()
+        self._local[cache_key] = (time.monotonic() + min(self.LOCAL_TTL_S, self.ttl_ms / 1000), principal)
+        return principal
 
     async def _fetch(self, cache_key: str, parsed) -> KeyPrincipal | None:
         cached = None
@@ -172,14 +188,20 @@ class KeyAuth:
                             _limits(key), tenant_cache_salt(self.secret_key, tenant.id),
                             suspended=tenant.status != TenantStatus.ACTIVE)
 
-    async def _touch(self, key_id: uuid.UUID) -> None:
-        """Record last use, at most once a minute per key (the hot path must not write Postgres)."""
+    def _touch(self, key_id: uuid.UUID) -> None:
+        """Record last use, at most once a minute per key, off the request's path (the hot path must not wait
+        on Redis or write Postgres)."""
         now = time.monotonic()
         if self._touched.get(key_id, 0.0) > now:
             return
         if len(self._touched) > 50_000:
             self._touched.clear()
         self._touched[key_id] = now + 60
+        task = asyncio.create_task(self._record_use(key_id))
+        self._touching.add(task)
+        task.add_done_callback(self._touching.discard)
+
+    async def _record_use(self, key_id: uuid.UUID) -> None:
         try:
             first = await self.redis.set(f"kl:{key_id}", 1, nx=True, ex=60)
         except (RedisError, OSError):

@@ -8,6 +8,7 @@ that keeps failing (unreachable, dead, broken streams) out of the order until a 
 """
 from __future__ import annotations
 
+import asyncio
 import bisect
 import hashlib
 import math
@@ -209,18 +210,57 @@ class Router:
 
 
 class Registry:
-    """Reads live engines from Redis, cached briefly so routing costs no round trip per request."""
+    """Reads live engines from Redis, cached briefly so routing costs no round trip per request.
 
-    def __init__(self, redis: aioredis.Redis, ttl_s: float = 0.5):
+    A list older than `ttl_s` is still used while one refresh runs in the background (stale while
+    revalidate): a Redis that answers late -- a busy shared host, a failover -- must not hold every request
+    that arrives meanwhile (under overload those are refusals that must be quick). Callers wait for the
+    refresh only when the list is older than `stale_s`, when asked `fresh`, or when it names no engine for
+    their model (a newly started engine is routable at once)."""
+
+    def __init__(self, redis: aioredis.Redis, ttl_s: float = 0.5, stale_s: float = 5.0):
         self.redis = redis
         self.ttl_s = ttl_s
-        self._at = 0.0
+        self.stale_s = stale_s
+        self._at = -math.inf
         self._engines: list[EngineInfo] = []
+        self._loading: asyncio.Task | None = None
 
     async def engines(self, base_model: str | None = None, *, fresh: bool = False) -> list[EngineInfo]:
-        if fresh or time.monotonic() - self._at > self.ttl_s:
-            self._engines = [EngineInfo.from_snapshot(s) for s in await read_snapshots(self.redis) if s.url]
-            self._at = time.monotonic()
+        age = time.monotonic() - self._at
+        if fresh or age > self.stale_s:
+            await self._refresh()
+        elif age > self.ttl_s:
+            self._refresh_started()
+        found = self._of(base_model)
+        if not found and not fresh and age > self.ttl_s:
+            await self._refresh()
+            found = self._of(base_model)
+        return found
+
+    def _of(self, base_model: str | None) -> list[EngineInfo]:
         if base_model is None:
             return list(self._engines)
         return [e for e in self._engines if e.base_model == base_model]
+
+    def _refresh_started(self) -> asyncio.Task:
+        """The one read of Redis in flight (started if none is): a task of its own, so a caller that hangs up
+        never cancels it for the others, and a stall costs one pending read, not one per request."""
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.create_task(self._load())
+            self._loading.add_done_callback(_consume_failure)
+        return self._loading
+
+    async def _refresh(self) -> None:
+        await asyncio.shield(self._refresh_started())
+
+    async def _load(self) -> None:
+        snaps = await read_snapshots(self.redis)
+        self._engines = [EngineInfo.from_snapshot(s) for s in snaps if s.url]
+        self._at = time.monotonic()
+
+
+def _consume_failure(task: asyncio.Task) -> None:
+    """A background refresh that failed is retried by the next caller; the waiting ones saw its error."""
+    if not task.cancelled():
+        task.exception()
