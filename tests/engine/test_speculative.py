@@ -712,6 +712,19 @@ def test_a_sequence_starts_a_costly_drafter_only_if_its_expected_remaining_outpu
     ctl.drafter.seen |= {s.request_id for s in seqs}
     ctl.propose(seqs, 0, 2048, 256)
     assert all(len(s.spec_draft) == 4 for s in seqs)
+    # Draft tokens count only as far as a sequence is expected to live. Answers of 10 tokens: a sequence 9 in
+    # (saturation's tail) gains nothing from 4 drafts -- its next token is its last -- while one 2 in does.
+    ctl._lengths.clear()
+    for _ in range(3):
+        ctl.finished(produced(10))
+    assert ctl._expected_gain(produced(9), 4, 0.8, 1e-4, 0.35e-3) < 0 < ctl._expected_gain(produced(2), 4, 0.8, 1e-4, 0.35e-3)
+    # Bimodal answers (three of 2 tokens, one of 40): the long one pays for the catch-up of all of them.
+    ctl._lengths.clear()
+    for n in (2, 2, 2, 40):
+        ctl.finished(produced(n))
+    ctl.drafter.seen.clear()
+    ctl.propose(seqs, 0, 2048, 256)
+    assert all(len(s.spec_draft) == 4 for s in seqs)
     # Before any sequence of the model finished, a sequence is expected to run as long again as it has.
     ctl._lengths.clear()
     assert ctl._remaining(seqs[0]) == 1.0 and ctl._remaining(produced(10)) == 10.0
