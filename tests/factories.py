@@ -212,3 +212,13 @@ def make_usage_event(
     db.add(row)
     db.commit()
     return row
+
+
+def make_key_auth(database_url: str, redis_url: str, *, pool_size: int = 4, cache_ttl_s: float = 60.0):
+    """A gateway KeyAuth of its own (its own Redis client and database pool), as the gateway builds one."""
+    from services.common.db import make_db_engine, make_sessionmaker
+    from services.gateway.auth import KeyAuth
+    from services.gateway.state import make_redis
+
+    return KeyAuth(make_redis(redis_url), make_sessionmaker(make_db_engine(database_url, pool_size=pool_size)),
+                   "s" * 32, cache_ttl_s)

@@ -8,22 +8,14 @@ import asyncio
 import pytest
 
 from services.common.errors import AuthenticationError
-from tests.factories import make_api_key, make_tenant
-
-
-def _auth(database_url: str, redis_url: str):
-    from services.common.db import make_db_engine, make_sessionmaker
-    from services.gateway.auth import KeyAuth
-    from services.gateway.state import make_redis
-
-    return KeyAuth(make_redis(redis_url), make_sessionmaker(make_db_engine(database_url, pool_size=4)), "s" * 32, 60.0)
+from tests.factories import make_api_key, make_key_auth, make_tenant
 
 
 def test_a_burst_with_one_key_runs_one_lookup_and_a_hung_up_caller_fails_nobody(db, database_url, service_urls, redis_client):
     key = make_api_key(db, tenant=make_tenant(db))
 
     async def main():
-        auth = _auth(database_url, service_urls.redis_url)
+        auth = make_key_auth(database_url, service_urls.redis_url)
         lookups = []
         original = auth._lookup
 

@@ -12,18 +12,10 @@ import asyncio
 import pytest
 
 from services.common.engine_registry import REGISTRY_SET, EngineSnapshot, entry_key
-from tests.factories import make_api_key, make_tenant
+from tests.factories import make_api_key, make_key_auth, make_tenant
 
 # Under the client's 2 s socket timeout. (Redis 6.2 pauses CLIENT UNPAUSE too: each pause runs its course.)
 PAUSE_MS = 1500
-
-
-def _auth(database_url: str, redis_url: str):
-    from services.common.db import make_db_engine, make_sessionmaker
-    from services.gateway.auth import KeyAuth
-    from services.gateway.state import make_redis
-
-    return KeyAuth(make_redis(redis_url), make_sessionmaker(make_db_engine(database_url, pool_size=2)), "s" * 32, 60.0)
 
 
 def _register(redis_client, engine_id: str, base_model: str = "demo") -> None:
@@ -41,10 +33,6 @@ async def _paused(redis) -> asyncio.Task:
     return ping
 
 
-async def _resumed(ping: asyncio.Task) -> None:
-    await ping
-
-
 def test_a_known_key_past_its_local_ttl_does_not_wait_for_a_stalled_redis(db, database_url, service_urls, redis_client):
     from services.gateway.auth import KeyAuth
 
@@ -52,7 +40,7 @@ def test_a_known_key_past_its_local_ttl_does_not_wait_for_a_stalled_redis(db, da
     header = f"Bearer {key.secret}"
 
     async def main():
-        auth = _auth(database_url, service_urls.redis_url)
+        auth = make_key_auth(database_url, service_urls.redis_url, pool_size=2)
         first = await auth.authenticate(header)  # fetched, and held in-process
         cache_key = next(iter(auth._local))
         expires, principal = auth._local[cache_key]
@@ -61,7 +49,7 @@ def test_a_known_key_past_its_local_ttl_does_not_wait_for_a_stalled_redis(db, da
         again = await auth.authenticate(header)
         assert not ping.done(), "the stale entry answered only after Redis did"
         assert again.key_id == first.key_id and auth._fetching  # and its renewal waits on Redis meanwhile
-        await _resumed(ping)
+        await ping  # the pause has run its course
         renewal = next(iter(auth._fetching.values()), None)
         if renewal is not None:
             await renewal
@@ -73,7 +61,7 @@ def test_a_known_key_past_its_local_ttl_does_not_wait_for_a_stalled_redis(db, da
         waited = asyncio.create_task(auth.authenticate(header))
         await asyncio.sleep(0.2)
         assert not waited.done()
-        await _resumed(ping)
+        await ping  # the pause has run its course
         assert (await waited).key_id == first.key_id
         await auth.redis.aclose()
 
@@ -90,7 +78,7 @@ def test_a_revoked_key_stops_working_once_its_renewal_lands(db, database_url, se
     header = f"Bearer {key.secret}"
 
     async def main():
-        auth = _auth(database_url, service_urls.redis_url)
+        auth = make_key_auth(database_url, service_urls.redis_url, pool_size=2)
         await auth.authenticate(header)
         cache_key = next(iter(auth._local))
         await auth.redis.set(cache_key, b"-")  # what a revocation elsewhere leaves in the shared cache
@@ -124,7 +112,7 @@ def test_the_engine_list_is_served_stale_while_one_refresh_waits_on_a_stalled_re
         assert all([e.id for e in got] == ["e1"] for got in listed)
         refresh = registry._loading
         assert refresh is not None and not refresh.done()  # one refresh for all twenty callers
-        await _resumed(ping)
+        await ping  # the pause has run its course
         await refresh
         assert [e.id for e in await registry.engines("demo")] == ["e1", "e2"]
 
@@ -138,7 +126,7 @@ def test_the_engine_list_is_served_stale_while_one_refresh_waits_on_a_stalled_re
         waited = asyncio.create_task(registry.engines("demo"))
         await asyncio.sleep(0.2)
         assert not waited.done()
-        await _resumed(ping)
+        await ping  # the pause has run its course
         assert [e.id for e in await waited] == ["e1", "e2"]
         await registry.redis.aclose()
 
