@@ -83,6 +83,7 @@ def make_config(
     draft_model: Path | None = None,
     device: str = "cpu",
     cpu_packed_gemm: bool = True,
+    interactive_ttft_slo_s: float | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
@@ -92,7 +93,10 @@ def make_config(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=64 * 2**20, enable_prefix_caching=prefix_caching,
                           swap_space_bytes=swap_space_bytes, preemption_mode=preemption_mode,
                           enable_prompt_sharing=prompt_sharing, kv_dtype=kv_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        # No TTFT budget unless a test asks for one: whether a burst is refused for overload must not depend
+        # on this machine's speed (the oracle tests submit every request at once).
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                                  interactive_ttft_slo_s=interactive_ttft_slo_s),
         lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                         cpu_kernel=lora_kernel, inline_loads=inline_loads),
         cpu_attention=cpu_attention,
