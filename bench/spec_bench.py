@@ -40,6 +40,9 @@ MAX_TOKENS = 48
 # 30 interleaved sets of the same engines read 1.01-1.02x (ratio of medians, stop 40) -- one ~170 ms run
 # catching the VM's drift moved a mean of ten by 3-5%.
 SAT_ROUNDS = int(os.environ.get("MPLEX_BENCH_SPEC_SAT_ROUNDS", "15"))
+# Sets of the concurrency 1 / 4 / 16 cells (each a few hundred ms a side): a cell's ratio is the median over its
+# sets of each set's paired ratio (`_paired`).
+CELL_ROUNDS = int(os.environ.get("MPLEX_BENCH_SPEC_CELL_ROUNDS", "3"))
 
 
 def _prompts(kit, task: str, n: int, seed: int) -> list[list[int]]:
@@ -105,6 +108,17 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, adapter) -> 
             "tokens": [tokens[f"q{i}"] for i in range(len(prompts))]}
 
 
+def _paired(plain: list[dict], spec: list[dict], key: str) -> float:
+    """plain / spec of `key`, paired by set: each set ran plain, spec, spec, plain back to back (so a drift
+    within the set cancels to first order), its ratio is that of the two sides' means, and the cell's is the
+    median over sets -- a slow second on the VM moves one set, not the cell (a ratio of medians drops the
+    pairing: two sides' medians can come from sets seconds apart)."""
+    assert len(plain) == len(spec) and len(plain) % 2 == 0
+    ratios = [statistics.fmean(r[key] for r in plain[i:i + 2]) / statistics.fmean(r[key] for r in spec[i:i + 2])
+              for i in range(0, len(plain), 2)]
+    return statistics.median(ratios)
+
+
 def _mean(*runs: dict, median: bool = False) -> dict:
     """One side of a cell over its runs: the mean of each figure (the median with `median`), tokens summed."""
     avg = statistics.median if median else statistics.fmean
@@ -139,26 +153,26 @@ def main() -> None:
             n = SATURATION if conc == "sat" else PER_CELL[conc]
             prompts = _prompts(kit, task, n, seed=1)
             c = n if conc == "sat" else conc
-            # plain, each drafter, each drafter again in reverse order, plain: the VM's load drifts within
-            # seconds; each side's figures are the mean of its two runs.
+            # Sets of plain, each drafter, each drafter again in reverse order, plain: the VM's load drifts within
+            # seconds. Ratios are paired by set (`_paired`); each side's reported figures are medians over its runs.
             order = ("off", *DRAFTERS[task])
             runs: dict[str, list[dict]] = {d: [] for d in order}
             # A saturation cell is short (128 requests of ~10-48 tokens: ~0.3 s), and single pairs of it moved by
             # +-10% on this VM; it runs SAT_ROUNDS such interleaved pairs (docs: README, "Speculative decoding").
-            for _ in range(SAT_ROUNDS if conc == "sat" else 1):
+            for _ in range(SAT_ROUNDS if conc == "sat" else CELL_ROUNDS):
                 for d in (*order, *reversed(order)):
                     # The previous tasks' engines (512 MiB of KV each) and runs leave cyclic garbage; collected
                     # inside a ~85 ms saturation run it cost one side ~7% (stop 39: uppercase read 0.91-0.93x in
                     # three full runs, 1.00-1.02x run alone, with 4 tokens drafted). Collect outside the clock.
                     gc.collect()
                     runs[d].append(closed_loop(engines[d], prompts, c, ref))
-            a = _mean(*runs["off"], median=conc == "sat")
+            a = _mean(*runs["off"], median=True)
             for d in DRAFTERS[task]:
                 identical = all(r["tokens"] == runs["off"][0]["tokens"] for rs in runs.values() for r in rs)
-                b = _mean(*runs[d], median=conc == "sat")
+                b = _mean(*runs[d], median=True)
                 cell = {"plain": a, "spec": b, "identical": identical,
-                        "tpot_ratio": a["tpot_p50_ms"] / b["tpot_p50_ms"],
-                        "throughput_ratio": b["output_tok_s"] / a["output_tok_s"],
+                        "tpot_ratio": _paired(runs["off"], runs[d], "tpot_p50_ms"),
+                        "throughput_ratio": 1 / _paired(runs["off"], runs[d], "output_tok_s"),
                         "acceptance": b["accepted"] / b["drafted"] if b["drafted"] else float("nan")}
                 cells[f"{task}/{d}/c{conc}"] = cell
                 rows.append([task, d, conc, a["tpot_p50_ms"], b["tpot_p50_ms"], cell["tpot_ratio"], a["output_tok_s"],

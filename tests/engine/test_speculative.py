@@ -718,6 +718,9 @@ def test_a_sequence_starts_a_costly_drafter_only_if_its_expected_remaining_outpu
     for _ in range(3):
         ctl.finished(produced(10))
     assert ctl._expected_gain(produced(9), 4, 0.8, 1e-4, 0.35e-3) < 0 < ctl._expected_gain(produced(2), 4, 0.8, 1e-4, 0.35e-3)
+    # One that has outlived every recorded answer is expected to end next: its drafts count for nothing either
+    # (saturation's longest answers were caught up for 4 drafts each, 1-2 accepted).
+    assert ctl._remaining(produced(12)) == 1.0 and ctl._expected_gain(produced(12), 4, 0.8, 1e-4, 0.35e-3) < 0
     # Bimodal answers (three of 2 tokens, one of 40): the long one pays for the catch-up of all of them.
     ctl._lengths.clear()
     for n in (2, 2, 2, 40):

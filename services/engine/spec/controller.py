@@ -155,22 +155,22 @@ class SpecController:
         """What drafting k tokens a step is expected to save over the rest of this sequence: per step, the
         expected emitted draft tokens' worth less the verification rows, times the tokens it goes on for.
         Read over the lengths its model's finished sequences reached from here, each with its own horizon -- a
-        draft token past a sequence's end is never emitted; with no such record, the horizon is `_remaining`."""
+        draft token past a sequence's end is never emitted; with no such record, the one horizon `_remaining`
+        under the same rule: a sequence that has outlived every recorded answer is expected to end next and
+        gains nothing from drafts (at saturation's tail such sequences were caught up for 4 drafts, 1-2 of them
+        accepted, stop 41)."""
         done, left = seq.num_output_tokens, seq.params.max_tokens - seq.num_output_tokens
         memo_key = (spec_key(seq.adapter), done, left, k, rate, cost_token, value)
         gain = self._gains.get(memo_key)  # a step's sequences of one model mostly share all of these
         if gain is not None:
             return gain
         longer = self._survivors(seq)
-        if longer is None:
-            gain = (sum(rate ** j for j in range(1, k + 1)) * value - k * cost_token) * self._remaining(seq)
-        else:
-            total = 0.0
-            for n in longer:
-                r = min(n - done, left)
-                useful = min(k, r - 1)  # drafts that can still be emitted before it ends
-                total += (sum(rate ** j for j in range(1, useful + 1)) * value - k * cost_token) * r
-            gain = total / len(longer)
+        horizons = [min(n - done, left) for n in longer] if longer is not None else [math.ceil(self._remaining(seq))]
+        total = 0.0
+        for r in horizons:
+            useful = min(k, r - 1)  # drafts that can still be emitted before it ends
+            total += (sum(rate ** j for j in range(1, useful + 1)) * value - k * cost_token) * r
+        gain = total / len(horizons)
         self._gains[memo_key] = gain
         return gain
 
