@@ -240,7 +240,7 @@ def _reply(msg: Call, fn, engine: LLMEngine) -> CallReply:
 def run_core(config, address: str, num_threads: int, log_level: str, nice: int = 0) -> None:
     """The core process's entry point (spawned by services.engine.launcher). `nice` > 0: the core runs at that
     niceness and SCHED_BATCH, set before torch starts its threads (they inherit it; cpu_priority.py)."""
-    from services.common.cpu_priority import lower_cpu_priority
+    from services.common.cpu_priority import lower_cpu_priority, lower_group_priority
     from services.common.gc_tuning import freeze_startup_heap, service_process
     from services.common.logging import configure
 
@@ -250,6 +250,7 @@ def run_core(config, address: str, num_threads: int, log_level: str, nice: int =
     service_process()
     configure("engine", log_level)
     if nice:
+        lower_group_priority(nice, who="engine core")  # else, under autogroup, the niceness below orders nothing
         lower_cpu_priority(nice, batch_policy=True, who="engine core")
     import torch
 

@@ -1,15 +1,17 @@
 """Background work is background for the OS: a batch run's thread and the threads it starts run at
 `batch_cpu_nice` (the worker thread that started the run keeps its priority), and the engine core runs
-niced at SCHED_BATCH (services/common/cpu_priority.py; the core's own process: tests/engine/test_split.py)."""
+niced at SCHED_BATCH in a niced session group of its own (services/common/cpu_priority.py; the core's own process:
+tests/engine/test_split.py)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.common.cpu_priority import lower_cpu_priority
+from services.common.cpu_priority import autogroup_enabled, lower_cpu_priority, lower_group_priority
 
 
 def _nice() -> int:
@@ -47,3 +49,32 @@ def test_the_batch_policy_is_per_thread_and_inherited_and_niceness_never_drops()
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(run).result() == ((before + 3, os.SCHED_BATCH),) * 2
     assert (_nice(), _policy()) == (before, policy)
+
+
+def autogroup_nice(pid: int) -> int:
+    """The niceness of the process's session group ("/autogroup-42 nice 5")."""
+    with open(f"/proc/{pid}/autogroup") as f:
+        return int(f.read().split()[-1])
+
+
+def _leave_session(queue) -> None:
+    done = lower_group_priority(6, who="test")
+    queue.put((done, os.getsid(0) == os.getpid(), autogroup_nice(os.getpid())))
+
+
+@pytest.mark.skipif(not autogroup_enabled(), reason="the kernel does not group the CPU by session here")
+def test_a_process_gets_a_niced_session_group_of_its_own_and_its_parent_keeps_its_own():
+    """With autogroup the CPU is shared between sessions before threads, so a niced process in the gateway's or
+    launcher's session would still weigh a whole session against Redis's: it takes a session of its own and nices
+    that (the engine core: tests/engine/test_split.py)."""
+    ours = autogroup_nice(os.getpid())
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_leave_session, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == (True, True, 6)
+    finally:
+        child.join(30)
+    assert autogroup_nice(os.getpid()) == ours and os.getsid(0) != child.pid
+    assert lower_group_priority(0) is False  # nothing asked, nothing done

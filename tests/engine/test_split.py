@@ -12,10 +12,12 @@ import signal
 
 import pytest
 
+from services.common.cpu_priority import autogroup_enabled
 from services.common.prompting import PromptBuilder
 from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
 from services.engine.core_client import CoreClient
 from services.engine.sequence import SamplingParams
+from tests.common.test_cpu_priority import autogroup_nice
 from tests.engine.conftest import collect, make_config, make_engine, split_engine
 
 
@@ -189,6 +191,9 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
         assert os.getpriority(os.PRIO_PROCESS, core) == max(ours, 5) and os.sched_getscheduler(core) == os.SCHED_BATCH
         assert all(os.getpriority(os.PRIO_PROCESS, int(t)) == max(ours, 5) for t in os.listdir(f"/proc/{core}/task"))
         assert os.getpriority(os.PRIO_PROCESS, frontend) == ours and os.sched_getscheduler(frontend) == os.SCHED_OTHER
+        if autogroup_enabled():  # the kernel shares the CPU by session first: the core's is its own, niced
+            assert os.getsid(core) == core and autogroup_nice(core) == 5
+            assert os.getsid(frontend) != core and autogroup_nice(frontend) == autogroup_nice(os.getpid())
         os.kill(frontend, signal.SIGKILL)
         time.sleep(0.5)
         wait_ok()
