@@ -199,8 +199,23 @@ def _linear_scaled_mm(x2: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     xq, x_scale = quantize_rows(x2)  # row-major [M, K], as _scaled_mm wants
     wt = w.weight.t()  # column-major [K, N], as _scaled_mm wants for its second operand
     if _rowwise_ok(x2):
-        return torch._scaled_mm(xq, wt, scale_a=x_scale, scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16)
+        return _scaled_mm(xq, wt, x_scale, w.scale.view(1, -1), torch.bfloat16)
     # Portable form: unit per-tensor scales in the GEMM, both scale vectors applied to the fp32 result.
     one = torch.ones((), dtype=torch.float32, device=x2.device)
-    y = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    y = _scaled_mm(xq, wt, one, one, torch.float32)
     return (y * x_scale * w.scale).to(x2.dtype)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm; on the CPU, where oneDNN has no FP8 GEMM for the ISA it may use, the same product in
+    fp32. torch sends CPU fp8 GEMMs to oneDNN by what the CPU can do (an AMX Xeon), but oneDNN may be capped
+    below that (ONEDNN_MAX_CPU_ISA=AVX2, as the test suite pins it: services/common/cpu_paths.py), and then
+    has no primitive for it. Every e4m3 code is exact in fp32, so the fallback is the scaled GEMM's arithmetic
+    with fp32 accumulation."""
+    try:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    except RuntimeError as exc:
+        if a.device.type != "cpu" or "primitive descriptor" not in str(exc):
+            raise
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
