@@ -119,10 +119,9 @@ def _paired(plain: list[dict], spec: list[dict], key: str) -> float:
     return statistics.median(ratios)
 
 
-def _mean(*runs: dict, median: bool = False) -> dict:
-    """One side of a cell over its runs: the mean of each figure (the median with `median`), tokens summed."""
-    avg = statistics.median if median else statistics.fmean
-    out = {k: avg([r[k] for r in runs]) for k in ("wall_s", "output_tok_s", "tpot_p50_ms", "tpot_mean_ms")}
+def _side(*runs: dict) -> dict:
+    """One side of a cell over its runs, as reported: the median of each figure, tokens summed."""
+    out = {k: statistics.median([r[k] for r in runs]) for k in ("wall_s", "output_tok_s", "tpot_p50_ms", "tpot_mean_ms")}
     out.update({k: sum(r[k] for r in runs) for k in ("output_tokens", "drafted", "accepted")})
     return out
 
@@ -166,10 +165,10 @@ def main() -> None:
                     # three full runs, 1.00-1.02x run alone, with 4 tokens drafted). Collect outside the clock.
                     gc.collect()
                     runs[d].append(closed_loop(engines[d], prompts, c, ref))
-            a = _mean(*runs["off"], median=True)
+            a = _side(*runs["off"])
             for d in DRAFTERS[task]:
                 identical = all(r["tokens"] == runs["off"][0]["tokens"] for rs in runs.values() for r in rs)
-                b = _mean(*runs[d], median=True)
+                b = _side(*runs[d])
                 cell = {"plain": a, "spec": b, "identical": identical,
                         "tpot_ratio": _paired(runs["off"], runs[d], "tpot_p50_ms"),
                         "throughput_ratio": 1 / _paired(runs["off"], runs[d], "output_tok_s"),
