@@ -131,41 +131,34 @@ class SpecController:
         kept.append(seq.num_output_tokens)
         self._gains.clear()
 
-    def _survivors(self, seq: Sequence) -> list[int] | None:
-        """The recent finished lengths of its model that ran past where this sequence is (None: no record yet,
-        or it has outlived every one of them -- nothing to tell its horizon by)."""
-        done = seq.num_output_tokens
-        longer = [n for n in self._lengths.get(spec_key(seq.adapter), ()) if n > done]
-        return longer or None
-
-    def _remaining(self, seq: Sequence) -> float:
-        """The tokens this sequence is expected to go on for: how far its model's finished sequences that got
-        as far as it has went beyond that (at least one); before any finished, as many as it has run (it has
-        lived that long), and one once it has outlived every recorded one; never past max_tokens."""
+    def _horizons(self, seq: Sequence) -> list[int]:
+        """The tokens this sequence may still produce, one figure per recent finished answer of its model that
+        got as far as it has (how far that one went beyond); with none such, one figure: as many as it has run
+        before any answer finished (it has lived that long), 1 once it has outlived every recorded one. Never
+        past max_tokens."""
         done = seq.num_output_tokens
         left = seq.params.max_tokens - done
-        longer = self._survivors(seq)
-        if longer is not None:
-            guess = max(1.0, sum(longer) / len(longer) - done)
-        else:
-            guess = 1.0 if self._lengths.get(spec_key(seq.adapter)) else max(1.0, float(done))
-        return min(guess, float(left))
+        record = self._lengths.get(spec_key(seq.adapter), ())
+        beyond = [n - done for n in record if n > done] or [1 if record else max(1, done)]
+        return [min(r, left) for r in beyond]
+
+    def _remaining(self, seq: Sequence) -> float:
+        """The tokens this sequence is expected to go on for: the mean of its horizons."""
+        horizons = self._horizons(seq)
+        return sum(horizons) / len(horizons)
 
     def _expected_gain(self, seq: Sequence, k: int, rate: float, cost_token: float, value: float) -> float:
         """What drafting k tokens a step is expected to save over the rest of this sequence: per step, the
         expected emitted draft tokens' worth less the verification rows, times the tokens it goes on for.
-        Read over the lengths its model's finished sequences reached from here, each with its own horizon -- a
-        draft token past a sequence's end is never emitted; with no such record, the one horizon `_remaining`
-        under the same rule: a sequence that has outlived every recorded answer is expected to end next and
-        gains nothing from drafts (at saturation's tail such sequences were caught up for 4 drafts, 1-2 of them
+        Read over its horizons (`_horizons`), each on its own -- a draft token past a sequence's end is never
+        emitted; a sequence that has outlived every recorded answer is expected to end next and gains nothing
+        from drafts (at saturation's tail such sequences were caught up for 4 drafts, 1-2 of them
         accepted, stop 41)."""
-        done, left = seq.num_output_tokens, seq.params.max_tokens - seq.num_output_tokens
-        memo_key = (spec_key(seq.adapter), done, left, k, rate, cost_token, value)
+        memo_key = (spec_key(seq.adapter), seq.num_output_tokens, seq.params.max_tokens, k, rate, cost_token, value)
         gain = self._gains.get(memo_key)  # a step's sequences of one model mostly share all of these
         if gain is not None:
             return gain
-        longer = self._survivors(seq)
-        horizons = [min(n - done, left) for n in longer] if longer is not None else [math.ceil(self._remaining(seq))]
+        horizons = self._horizons(seq)
         total = 0.0
         for r in horizons:
             useful = min(k, r - 1)  # drafts that can still be emitted before it ends
@@ -177,7 +170,7 @@ class SpecController:
     def _worth_catching_up(self, seq: Sequence, k: int, cost_token: float, value: float) -> bool:
         """A drafter that runs a model must first feed it the sequence's tokens it has not seen (its whole
         context, the first time). That pays only if the drafting it enables saves more: the expected gain of a
-        step of k draft tokens times the steps the sequence is expected to go on for (`_remaining`). At
+        step of k draft tokens over the tokens the sequence is expected to go on for (`_horizons`). At
         saturation's tail the sequences that start drafting are nearly done: their catch-ups (~630 tokens
         through the draft model in a 0.18 s `repeat` run of bench/spec_bench.py) were the whole of speculation's
         loss there. A step's draft tokens count only as far as the sequence is expected to live (`_expected_gain`):
