@@ -57,9 +57,15 @@ def lower_group_priority(nice: int, *, who: str = "this process") -> bool:
 
 
 def autogroup_enabled() -> bool:
-    """Whether the kernel shares the CPU between sessions first (CONFIG_SCHED_AUTOGROUP, switched on)."""
+    """Whether the kernel shares the CPU between sessions first for this process: CONFIG_SCHED_AUTOGROUP,
+    switched on, and this process in a session group. In a container whose cgroup has a CPU group of its own
+    (CI's), or where the kernel groups real-time work by cgroup, the sysctl reads 1 but /proc/self/autogroup
+    is empty: the session makes no difference there and there is nothing to nice."""
     try:
         with open(AUTOGROUP) as f:
-            return f.read().strip() == "1"
+            if f.read().strip() != "1":
+                return False
+        with open("/proc/self/autogroup") as f:
+            return f.read().startswith("/autogroup-")
     except OSError:
         return False
