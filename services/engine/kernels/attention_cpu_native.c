@@ -55,6 +55,40 @@ static inline float hsum8(vf8 v)
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+
+/* Eight dot-product accumulators reduced at once: lane j of the result is hsum8(a_j), summed in hsum8's order
+   (halves first, then pairs), so a key's score is the same bits whichever path computed it. */
+static inline vf8 hsum8x8(vf8 a0, vf8 a1, vf8 a2, vf8 a3, vf8 a4, vf8 a5, vf8 a6, vf8 a7)
+{
+    const vf8 p01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf8 p23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf8 p45 = __builtin_shufflevector(a4, a5, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a4, a5, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf8 p67 = __builtin_shufflevector(a6, a7, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a6, a7, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf8 q03 = __builtin_shufflevector(p01, p23, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(p01, p23, 1, 3, 5, 7, 9, 11, 13, 15);
+    const vf8 q47 = __builtin_shufflevector(p45, p67, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(p45, p67, 1, 3, 5, 7, 9, 11, 13, 15);
+    return __builtin_shufflevector(q03, q47, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(q03, q47, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+
+/* acc[0 .. 8 DV) += sum over t < n of p[t] v_t (fp32 rows `row` floats apart), the accumulator in registers
+   across the keys: DV is a constant at each call site. The same operations, in the same order, per element
+   as the generic loop. */
+static inline __attribute__((always_inline)) void pv_rows(float *restrict acc, const float *restrict p,
+                                                          const float *restrict vb, int64_t row, int n, const int DV)
+{
+    vf8 a[8];
+    for (int c = 0; c < DV; c++)
+        a[c] = load8(acc + 8 * c);
+    for (int t = 0; t < n; t++) {
+        const vf8 pv = splat8(p[t]);
+        const float *vt = vb + t * row;
+        for (int c = 0; c < DV; c++)
+            a[c] += pv * load8(vt + 8 * c);
+    }
+    for (int c = 0; c < DV; c++)
+        store8(acc + 8 * c, a[c]);
+}
+
 /* exp(x) for x <= 0 on eight lanes: x = n ln2 + r with |r| <= ln2/2, exp(r) by the classic degree-7
    minimax polynomial (relative error ~1e-7, like libm's expf), 2^n through the exponent bits.
    Inputs below -87 give 0 (they are scores far below the running max). */
@@ -178,8 +212,30 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
         const float k_scale = FP8 ? scale * (k_scales[blk * kv_heads + kvh] * FP8_DECODE_SCALE) : scale;
         const float v_scale = FP8 ? v_scales[blk * kv_heads + kvh] * FP8_DECODE_SCALE : 1.0f;
 
-        /* scores of this chunk */
-        for (int t = 0; t < n; t++) {
+        /* scores of this chunk: eight keys at a time (fp32, head_dim a multiple of 8), then one at a time */
+        int t8 = 0;
+        if (!FP8 && D8 == D) {
+            for (; t8 + 8 <= n; t8 += 8) {
+                const float *k0 = kb + t8 * row;
+                for (int g = 0; g < G; g++) {
+                    const float *qg = q + g * D;
+                    vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+                    for (int i = 0; i < D; i += 8) {
+                        const vf8 qv = load8(qg + i);
+                        a0 += qv * load8(k0 + i);
+                        a1 += qv * load8(k0 + row + i);
+                        a2 += qv * load8(k0 + 2 * row + i);
+                        a3 += qv * load8(k0 + 3 * row + i);
+                        a4 += qv * load8(k0 + 4 * row + i);
+                        a5 += qv * load8(k0 + 5 * row + i);
+                        a6 += qv * load8(k0 + 6 * row + i);
+                        a7 += qv * load8(k0 + 7 * row + i);
+                    }
+                    store8(&s[g][t8], hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7) * splat8(k_scale));
+                }
+            }
+        }
+        for (int t = t8; t < n; t++) {
             const float *kt;
             if (FP8) {
                 if (t + 1 < n)
@@ -229,7 +285,18 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
             }
         }
         /* acc += p . V (fp8: p v_scale . decoded V) */
-        for (int t = 0; t < n; t++) {
+        int fast = !FP8 && (D == 8 || D == 16 || D == 24 || D == 32 || D == 48 || D == 64);
+        for (int g = 0; fast && g < G; g++) {
+            switch (D) {
+            case 8: pv_rows(acc + g * D, s[g], vb, row, n, 1); break;
+            case 16: pv_rows(acc + g * D, s[g], vb, row, n, 2); break;
+            case 24: pv_rows(acc + g * D, s[g], vb, row, n, 3); break;
+            case 32: pv_rows(acc + g * D, s[g], vb, row, n, 4); break;
+            case 48: pv_rows(acc + g * D, s[g], vb, row, n, 6); break;
+            default: pv_rows(acc + g * D, s[g], vb, row, n, 8); break;
+            }
+        }
+        for (int t = 0; !fast && t < n; t++) {
             const float *vt;
             if (FP8) {
                 decode_row_fp8(vb8 + t * row, row_buf, D, D8);
