@@ -126,6 +126,25 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttnMetadat
         write_fp8_kv(cache.v, cache.v_scale, v, meta.fp8_write)
 
 
+def split_into_decode_rows(offsets: torch.Tensor, lens: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor,
+                           split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence attention inputs (first row in the flattened batch, query rows, context after the step,
+    block table [n, width]) with each `split` sequence's rows cut into one-row sequences: its row j sees the
+    context up to its own position (ctx - lens + 1 + j tokens) through the same block table. All of the step's
+    K/V is written before any attention reads the cache, so these are exactly decode rows, and the paged
+    decode kernel attends them in place: a draft's k + 1 rows being verified (each computed as plain decoding
+    would compute it), and on the CPU a prompt chunk, where the kernel beats a padded causal SDPA group
+    (model_runner.PREFILL_DECODE_ROWS_MAX). One batched pass, no loop over rows."""
+    if not bool(split.any()):
+        return offsets, lens, ctx, tables
+    reps = torch.where(split, lens, torch.ones_like(lens))
+    idx = torch.repeat_interleave(torch.arange(lens.shape[0]), reps)
+    j = torch.arange(idx.shape[0]) - (torch.cumsum(reps, 0) - reps)[idx]
+    cut = split[idx]
+    return (offsets[idx] + torch.where(cut, j, 0), torch.where(cut, 1, lens[idx]),
+            torch.where(cut, ctx[idx] - lens[idx] + 1 + j, ctx[idx]), tables[idx])
+
+
 def build_group(
     token_starts: torch.Tensor,
     query_lens: torch.Tensor,

@@ -45,22 +45,3 @@ def accepted_lengths(sampled: list[int], drafts: list[tuple[int, ...]]) -> list[
     flat = torch.tensor(sampled, dtype=torch.int64)
     got[mask] = flat[(starts[:, None] + torch.arange(k)[None, :])[mask]]
     return torch.cumprod((padded == got).to(torch.int64), dim=1).sum(1).tolist()
-
-
-def split_verify_rows(offsets: torch.Tensor, lens: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor,
-                      verify: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence attention inputs (first row, query rows, context after the step, block table) with each
-    verifying sequence's k + 1 rows split into k + 1 one-row sequences: row j sees the context up to its own
-    position (ctx - k + j tokens) through the same block table. All of the step's K/V is written before any
-    attention reads the cache, so these are exactly decode rows -- the runner sends them to the paged decode
-    kernel (or the decode buckets), as plain decoding does, instead of a padded causal prefill group."""
-    if not any(verify):
-        return offsets, lens, ctx, tables
-    ver = torch.tensor(verify)
-    reps = torch.where(ver, lens, torch.ones_like(lens))
-    idx = torch.tensor([i for i, r in enumerate(reps.tolist()) for _ in range(r)], dtype=torch.int64)
-    j = torch.tensor([k for r in reps.tolist() for k in range(r)], dtype=torch.int64)
-    v = ver[idx]
-    new_lens = torch.where(v, torch.ones_like(j), lens[idx])
-    return (offsets[idx] + torch.where(v, j, 0), new_lens,
-            torch.where(v, ctx[idx] - lens[idx] + 1 + j, ctx[idx]), tables[idx])

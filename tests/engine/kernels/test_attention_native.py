@@ -1,6 +1,6 @@
 """The native CPU paged decode attention (kernels/attention_cpu_native.c) against a float64 torch reference
 over the paged cache; its refusals; its compiler fallback; engine equivalence with the gather + SDPA path;
-the runner's prefill buckets."""
+the runner's prefill buckets and the prompt chunks it attends as decode rows."""
 import logging
 import math
 import platform
@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from services.engine.config import ConfigError
 from services.engine.kernels import attention_native
 from services.engine.kernels.attention_native import NativeAttention
+from services.engine import model_runner
+from services.engine.model.attention import AttnGroup, DecodeGroup, split_into_decode_rows
 from services.engine.model_runner import _attention_buckets, _prefill_buckets
 from services.engine.sequence import SamplingParams
 from tests.engine.conftest import make_engine, run_all
@@ -74,7 +76,7 @@ def check_against_reference(kernel, q, out, out_full, k_cache, v_cache, rows, ct
 def decode_cases(draw):
     kv_heads = draw(st.integers(1, 3))
     group = draw(st.integers(1, 5))
-    head_dim = draw(st.one_of(st.integers(1, 40), st.sampled_from([7, 8, 9, 15, 16, 17, 31, 32, 33])))
+    head_dim = draw(st.one_of(st.integers(1, 40), st.sampled_from([7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64])))
     block_size = draw(st.sampled_from([1, 3, 8, 16]))
     n_seqs = draw(st.integers(1, 6))
     max_ctx = max(6 * block_size, 20)
@@ -337,12 +339,16 @@ def equivalence_model(request, tiny_model, tmp_path_factory):
                              max_position_embeddings=256)
 
 
-def test_native_and_torch_attention_give_identical_greedy_tokens(equivalence_model):
+@pytest.mark.parametrize("chunk_rows_max", [model_runner.PREFILL_DECODE_ROWS_MAX, 8])
+def test_native_and_torch_attention_give_identical_greedy_tokens(equivalence_model, chunk_rows_max, monkeypatch):
     """The same batch, greedy, through the native decode kernel and through gather + SDPA: prompts of mixed
     lengths (several blocks long), decoding across block boundaries, a small chunked-prefill budget, and
     chunks following prefix-cache hits from a shared prefix computed first. The prompt seed is one where no
-    greedy step is a near-tie (top-2 logit gap ~1e-3, the two paths' logits differ by ~1e-6)."""
+    greedy step is a near-tie (top-2 logit gap ~1e-3, the two paths' logits differ by ~1e-6). The native engine
+    attends prompt chunks as decode rows up to `chunk_rows_max` tokens, the longer ones through SDPA."""
     from services.engine.config import ModelConfig
+
+    monkeypatch.setattr(model_runner, "PREFILL_DECODE_ROWS_MAX", chunk_rows_max)
 
     cfg = ModelConfig.from_dir(equivalence_model)
     rng = random.Random(13)
@@ -382,6 +388,50 @@ def test_native_and_torch_attention_give_identical_greedy_tokens(equivalence_mod
         want_tok, want_lps, _ = results["torch"][rid]
         assert tok == want_tok, rid
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=2e-5, rtol=0, msg=rid)
+
+
+def test_split_into_decode_rows_gives_each_chunk_row_its_own_context():
+    """Sequences (first row, rows, context after the step, table): the split ones become one-row sequences whose
+    row j sees the context up to its own position; the others pass unchanged, in order."""
+    offsets = torch.tensor([0, 5, 6, 9, 12])
+    lens = torch.tensor([5, 1, 3, 3, 1])
+    ctx = torch.tensor([5, 40, 20, 3, 7])
+    tables = torch.arange(10).view(5, 2)
+    split = torch.tensor([True, False, True, False, True])
+    o, n, c, t = split_into_decode_rows(offsets, lens, ctx, tables, split)
+    want = ([(0 + j, 1, 1 + j, 0) for j in range(5)] + [(5, 1, 40, 1)] + [(6 + j, 1, 18 + j, 2) for j in range(3)]
+            + [(9, 3, 3, 3), (12, 1, 7, 4)])
+    assert list(zip(o.tolist(), n.tolist(), c.tolist(), (t[:, 0] // 2).tolist())) == want
+    assert torch.equal(t, tables[[r[3] for r in want]])
+    same = split_into_decode_rows(offsets, lens, ctx, tables, torch.zeros(5, dtype=torch.bool))
+    assert all(a is b for a, b in zip(same, (offsets, lens, ctx, tables)))
+
+
+def test_the_runner_sends_chunks_up_to_the_limit_to_the_decode_kernel(equivalence_model, monkeypatch):
+    """With the native kernel, a prompt chunk of up to PREFILL_DECODE_ROWS_MAX tokens is attended as decode rows
+    (in the step's one DecodeGroup); a longer one in a padded SDPA group; the torch path keeps every chunk in SDPA."""
+    monkeypatch.setattr(model_runner, "PREFILL_DECODE_ROWS_MAX", 20)
+    seen = {}
+    for attention in ("native", "torch"):
+        engine = make_engine(equivalence_model, block_size=8, budget=256, cpu_attention=attention, lora_kernel="torch")
+        prepare = engine.runner.prepare
+
+        def spy(plan, *args, _prepare=prepare, _name=attention, **kw):
+            inputs = _prepare(plan, *args, **kw)
+            seen.setdefault(_name, []).append(inputs.attn.groups)
+            return inputs
+
+        monkeypatch.setattr(engine.runner, "prepare", spy)
+        rng = random.Random(3)
+        run_all(engine, [{"id": f"p{n}", "prompt": [rng.randrange(5, 200) for _ in range(n)],
+                          "params": SamplingParams(max_tokens=1, temperature=0)} for n in (12, 20, 21, 50)])
+    first = seen["native"][0]
+    decode = [g for g in first if isinstance(g, DecodeGroup)]
+    padded = [g for g in first if isinstance(g, AttnGroup)]
+    assert len(decode) == 1 and decode[0].num_seqs == 12 + 20  # one row each for the 12- and 20-token chunks
+    assert sorted(decode[0].context_lens.tolist()) == sorted(list(range(1, 13)) + list(range(1, 21)))
+    assert sum(int(g.valid.any(1).sum()) for g in padded) == 2  # the 21- and 50-token chunks
+    assert not any(isinstance(g, DecodeGroup) for g in seen["torch"][0])
 
 
 def _rectangle(sel, lens, ctx, block_size):
