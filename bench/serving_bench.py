@@ -146,7 +146,10 @@ async def _http_one(session, url: str, headers: dict, r: Req, stream: bool, t0: 
 async def http_run(url: str, headers: dict, reqs: list[Req], stream: bool) -> tuple[list[Result], float]:
     import aiohttp
 
-    conn = aiohttp.TCPConnector(limit=0)
+    # A pooled connection idle past the server's keep-alive (uvicorn's 5 s, in the Poisson ramp's slow levels) may
+    # be closed by the server just as the client reuses it (ServerDisconnectedError, which ended a vLLM arm once):
+    # the client lets go of idle connections first.
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_http_one(session, url, headers, r, stream, t0) for r in reqs))
