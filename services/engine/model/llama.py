@@ -108,16 +108,16 @@ class LlamaModel:
         cfg = self.config
         h = self.embed_tokens(input_ids)
         q_size, kv_size = cfg.q_size, cfg.kv_size
+        cos, sin = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
+            qk = self.rope.rotate(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rope.apply(q, k, positions)
             a = paged_attention(q, k, v.contiguous(), kv_caches[i], attn, self.scale).view(-1, q_size)
             o = layer.o(a)
             if lora is not None:
@@ -128,7 +128,7 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(i, "gate_up", x, gu)
             gate, up = gu.chunk(2, dim=-1)
-            m = F.silu(gate) * up
+            m = F.silu(gate).mul_(up)
             d = layer.down(m)
             if lora is not None:
                 lora.apply(i, "down", m, d)

@@ -76,9 +76,24 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
+        half = head_dim // 2
+        # rotate_half(x) * sin = [-x2, x1] * [s1, s2] = [x2, x1] * [-s1, s2], product for product (a sign flip is
+        # exact): the halves swapped times this table is HF's term bit for bit, with no negation or cat per call.
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos and signed sin rows [T, 1, d]: gathered once a forward, for every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, d] (q and k heads side by side: one call for both) -> x cos + rotate_half(x) sin."""
+        t, heads, d = x.shape
+        swapped = x.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)
+        return x * cos + swapped * sin_signed
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, d], k: [T, kv_heads, d], positions: [T] -> rotated q, k."""
+        """q: [T, heads, d], k: [T, kv_heads, d], positions: [T] -> rotated q, k (HF's formula, for reference)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
