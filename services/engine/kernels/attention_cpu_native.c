@@ -33,6 +33,7 @@
 
 #define MAX_GROUP 16     /* query heads per kv head */
 #define MAX_HEAD_DIM 256
+#define PV_TILE 16       /* keys whose values are accumulated per pass (fp8: decoded into a tile) */
 #define MAX_BLOCK 256    /* block_size: one chunk of scores per query head lives on the stack */
 
 enum { OK = 0, BAD_SHAPE = 1, BAD_ROW = 2, BAD_CONTEXT = 3, BAD_BLOCK = 4, TOO_LARGE = 5, BAD_SLOT = 6,
@@ -194,6 +195,7 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
     float m[MAX_GROUP], l[MAX_GROUP];
     float s[MAX_GROUP][MAX_BLOCK];
     float row_buf[MAX_HEAD_DIM]; /* fp8: the decoded key or value row */
+    float vtile[PV_TILE * 64]; /* fp8, head_dim <= 64: a tile's decoded value rows */
     const int D8 = D & ~7;
     const int64_t row = kv_heads * D; /* elements between consecutive token slots of a block */
     for (int g = 0; g < G; g++)
@@ -284,16 +286,29 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
                     ag[i] *= corr;
             }
         }
-        /* acc += p . V (fp8: p v_scale . decoded V) */
-        int fast = !FP8 && (D == 8 || D == 16 || D == 24 || D == 32 || D == 48 || D == 64);
-        for (int g = 0; fast && g < G; g++) {
-            switch (D) {
-            case 8: pv_rows(acc + g * D, s[g], vb, row, n, 1); break;
-            case 16: pv_rows(acc + g * D, s[g], vb, row, n, 2); break;
-            case 24: pv_rows(acc + g * D, s[g], vb, row, n, 3); break;
-            case 32: pv_rows(acc + g * D, s[g], vb, row, n, 4); break;
-            case 48: pv_rows(acc + g * D, s[g], vb, row, n, 6); break;
-            default: pv_rows(acc + g * D, s[g], vb, row, n, 8); break;
+        /* acc += p . V (fp8: p v_scale . decoded V). Head widths of up to 64 keep each query head's accumulator in
+           registers across a tile of keys (an fp8 tile's V rows decoded once into `vtile` for the G heads). */
+        const int fast = D == 8 || D == 16 || D == 24 || D == 32 || D == 48 || D == 64;
+        for (int t0 = 0; fast && t0 < n; t0 += PV_TILE) {
+            const int m = n - t0 < PV_TILE ? n - t0 : PV_TILE;
+            const float *vsrc = FP8 ? vtile : vb + t0 * row;
+            const int64_t vrow = FP8 ? D : row;
+            if (FP8) {
+                for (int t = 0; t < m; t++)
+                    decode_row_fp8(vb8 + (t0 + t) * row, vtile + t * D, D, D8);
+                for (int g = 0; g < G; g++)
+                    for (int t = t0; t < t0 + m; t++)
+                        s[g][t] *= v_scale; /* p v_scale, the product the loop below forms */
+            }
+            for (int g = 0; g < G; g++) {
+                switch (D) {
+                case 8: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 1); break;
+                case 16: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 2); break;
+                case 24: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 3); break;
+                case 32: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 4); break;
+                case 48: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 6); break;
+                default: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 8); break;
+                }
             }
         }
         for (int t = 0; !fast && t < n; t++) {
