@@ -32,6 +32,7 @@ def lower_cpu_priority(nice: int, *, batch_policy: bool = False, who: str = "thi
 
 
 AUTOGROUP = "/proc/sys/kernel/sched_autogroup_enabled"
+SELF_AUTOGROUP = "/proc/self/autogroup"  # "/autogroup-<id> nice <n>", or empty: no session group of its own
 
 
 def lower_group_priority(nice: int, *, who: str = "this process") -> bool:
@@ -48,7 +49,7 @@ def lower_group_priority(nice: int, *, who: str = "this process") -> bool:
     try:
         if os.getsid(0) != os.getpid():
             os.setsid()
-        with open("/proc/self/autogroup", "w") as f:
+        with open(SELF_AUTOGROUP, "w") as f:
             f.write(str(nice))
     except OSError as exc:
         log.warning("%s: could not lower its session's CPU priority (%s)", who, exc)
@@ -65,7 +66,7 @@ def autogroup_enabled() -> bool:
         with open(AUTOGROUP) as f:
             if f.read().strip() != "1":
                 return False
-        with open("/proc/self/autogroup") as f:
+        with open(SELF_AUTOGROUP) as f:
             return f.read().startswith("/autogroup-")
     except OSError:
         return False

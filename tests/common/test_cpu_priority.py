@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from services.common import cpu_priority
 from services.common.cpu_priority import autogroup_enabled, lower_cpu_priority, lower_group_priority
 
 
@@ -78,3 +79,24 @@ def test_a_process_gets_a_niced_session_group_of_its_own_and_its_parent_keeps_it
         child.join(30)
     assert autogroup_nice(os.getpid()) == ours and os.getsid(0) != child.pid
     assert lower_group_priority(0) is False  # nothing asked, nothing done
+
+
+@pytest.mark.parametrize("sysctl, own_group, grouped", [
+    ("1\n", "/autogroup-85 nice 0\n", True),
+    ("1\n", "", False),  # CI's container: every process in the kernel's default group, the file empty
+    ("0\n", "/autogroup-85 nice 0\n", False),
+    (None, "/autogroup-85 nice 0\n", False),  # a kernel without CONFIG_SCHED_AUTOGROUP
+])
+def test_a_session_group_is_niced_only_where_the_process_has_one(tmp_path, monkeypatch, sysctl, own_group, grouped):
+    """Where the sysctl is on but this process sits in the kernel's default group (its autogroup file reads empty),
+    there is no group of its own to weigh against others: nothing is done (before, the core left its session and
+    the tests failed reading the empty file)."""
+    if sysctl is not None:
+        (tmp_path / "sysctl").write_text(sysctl)
+    (tmp_path / "autogroup").write_text(own_group)
+    monkeypatch.setattr(cpu_priority, "AUTOGROUP", str(tmp_path / "sysctl"))
+    monkeypatch.setattr(cpu_priority, "SELF_AUTOGROUP", str(tmp_path / "autogroup"))
+    assert autogroup_enabled() is grouped
+    if not grouped:
+        sid = os.getsid(0)
+        assert lower_group_priority(5) is False and os.getsid(0) == sid  # nothing touched
