@@ -59,9 +59,10 @@ def lower_group_priority(nice: int, *, who: str = "this process") -> bool:
 
 def autogroup_enabled() -> bool:
     """Whether the kernel shares the CPU between sessions first for this process: CONFIG_SCHED_AUTOGROUP,
-    switched on, and this process in a session group. In a container whose cgroup has a CPU group of its own
-    (CI's), or where the kernel groups real-time work by cgroup, the sysctl reads 1 but /proc/self/autogroup
-    is empty: the session makes no difference there and there is nothing to nice."""
+    switched on, and this process in a session group of its own. Where it still sits in the kernel's default
+    group (CI's container: its processes never left the boot session), the sysctl reads 1 but
+    /proc/self/autogroup is empty: its threads' niceness already orders it against the others, and there is no
+    group to nice."""
     try:
         with open(AUTOGROUP) as f:
             if f.read().strip() != "1":

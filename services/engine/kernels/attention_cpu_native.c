@@ -288,7 +288,7 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
         }
         /* acc += p . V (fp8: p v_scale . decoded V). Head widths of up to 64 keep each query head's accumulator in
            registers across a tile of keys (an fp8 tile's V rows decoded once into `vtile` for the G heads). */
-        const int fast = D == 8 || D == 16 || D == 24 || D == 32 || D == 48 || D == 64;
+        const int fast = D % 8 == 0 && D <= 64;
         for (int t0 = 0; fast && t0 < n; t0 += PV_TILE) {
             const int m = n - t0 < PV_TILE ? n - t0 : PV_TILE;
             const float *vsrc = FP8 ? vtile : vb + t0 * row;
@@ -301,13 +301,17 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
                         s[g][t] *= v_scale; /* p v_scale, the product the loop below forms */
             }
             for (int g = 0; g < G; g++) {
-                switch (D) {
-                case 8: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 1); break;
-                case 16: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 2); break;
-                case 24: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 3); break;
-                case 32: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 4); break;
-                case 48: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 6); break;
-                default: pv_rows(acc + g * D, s[g] + t0, vsrc, vrow, m, 8); break;
+                float *ag = acc + g * D;
+                const float *pg = s[g] + t0;
+                switch (D / 8) { /* a constant width for each call: the accumulator unrolled into registers */
+                case 1: pv_rows(ag, pg, vsrc, vrow, m, 1); break;
+                case 2: pv_rows(ag, pg, vsrc, vrow, m, 2); break;
+                case 3: pv_rows(ag, pg, vsrc, vrow, m, 3); break;
+                case 4: pv_rows(ag, pg, vsrc, vrow, m, 4); break;
+                case 5: pv_rows(ag, pg, vsrc, vrow, m, 5); break;
+                case 6: pv_rows(ag, pg, vsrc, vrow, m, 6); break;
+                case 7: pv_rows(ag, pg, vsrc, vrow, m, 7); break;
+                default: pv_rows(ag, pg, vsrc, vrow, m, 8); break;
                 }
             }
         }

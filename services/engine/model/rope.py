@@ -91,14 +91,3 @@ class RotaryEmbedding:
         t, heads, d = x.shape
         swapped = x.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)
         return x * cos + swapped * sin_signed
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, d], k: [T, kv_heads, d], positions: [T] -> rotated q, k (HF's formula, for reference)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
