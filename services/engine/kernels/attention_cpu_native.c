@@ -23,7 +23,14 @@
    fp8: a key or value row is decoded once into a small stack buffer that the G query heads share; a
    block's scales are applied to the scores (q . s k = s (q . k)) and to the softmax weights, never per
    element. The fp32 and fp8 kernels are one always-inlined body specialized on a constant flag, so the
-   fp32 path compiles to what it was. */
+   fp32 path compiles to what it was.
+
+   fp32 with 1, 2, 4 or 8 query heads per kv head and a head width that is a multiple of 8 (G x width/8 within
+   register reach) takes attend_regs instead: the heads' accumulators live in registers for the whole sequence,
+   a value row is loaded once for all heads, the softmax bookkeeping is vector work over a tile and the heads,
+   and the next block's rows are prefetched as a block begins. On an Intel Xeon (AVX-512) VM, 256 sequences of
+   100-170 tokens, 4 heads of 32 per kv head: 35 -> 25 ns per (key, kv head) a thread with the blocks in memory
+   (the reads bind it there: ~10 GB/s a thread), 22 -> 12 ns with them in cache. */
 #include <float.h>
 #include <math.h>
 #include <stddef.h>
@@ -343,6 +350,189 @@ attend_impl(const float *restrict q, float *restrict out, const void *k_cache, c
     }
 }
 
+
+/* The fp32 cache's path for the common shapes: G query heads of width D = 8 DV, G * DV <= 24, both constants at
+   each call site (attend_regs_any). Every query head's accumulator stays in registers for the whole sequence,
+   the heads' value updates interleaved so each value row is loaded once for all G heads, and the running max,
+   its correction and the sums are vector operations over the tile (up to 16 keys) and over the heads; key
+   tiles that end inside a block pad their scores with -inf. Products and sums contract to FMAs here. Not
+   bit-identical to attend_impl (another summation order), and checked like it against a float64 reference. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline float hmax8(vf8 v)
+{
+    vf8 a = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = select8(v > a, v, a);
+    a = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v = select8(v > a, v, a);
+    a = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    v = select8(v > a, v, a);
+    return v[0];
+}
+
+#define REG_TILE 16
+static inline __attribute__((always_inline)) void
+attend_regs(const float *restrict q, float *restrict out, const float *restrict k_cache,
+            const float *restrict v_cache, const int64_t *table, int64_t lo, int64_t ctx, int64_t block_size,
+            int64_t kv_heads, int64_t kvh, float scale, const int G, const int DV)
+{
+    const int D = 8 * DV;
+    const int64_t row = kv_heads * D;
+    vf8 acc[8][8];
+    float mrun[8] __attribute__((aligned(32))), mnew[8] __attribute__((aligned(32)));
+    float lrun[8];
+    float s[8][REG_TILE] __attribute__((aligned(32)));
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        mrun[g] = g < G ? -INFINITY : 0.0f;
+        mnew[g] = 0.0f;
+        lrun[g] = 0.0f;
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < DV; c++)
+            acc[g][c] = splat8(0.0f);
+
+    for (int64_t j0 = lo; j0 < ctx;) {
+        const int64_t blk = table[j0 / block_size];
+        const int64_t off = j0 % block_size;
+        int64_t left = block_size - off < ctx - j0 ? block_size - off : ctx - j0;
+        const int n = left < REG_TILE ? (int)left : REG_TILE;
+        const int64_t first = (blk * block_size + off) * row + kvh * D;
+        const float *kb = k_cache + first, *vb = v_cache + first;
+        const int nv = (n + 7) / 8; /* score vectors of the tile */
+        if (j0 == lo || off == 0) { /* a block begins: ask for the next one's rows of this kv head */
+            const int64_t nxt = j0 / block_size + 1;
+            if (nxt * block_size < ctx) {
+                const float *kn = k_cache + table[nxt] * block_size * row + kvh * D;
+                const float *vn = v_cache + table[nxt] * block_size * row + kvh * D;
+                for (int64_t t = 0; t < block_size; t++)
+                    for (int c = 0; c < D; c += 16) {
+                        __builtin_prefetch(kn + t * row + c, 0, 3);
+                        __builtin_prefetch(vn + t * row + c, 0, 3);
+                    }
+            }
+        }
+
+        int t8 = 0;
+        for (; t8 + 8 <= n; t8 += 8) {
+            const float *k0 = kb + t8 * row;
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + g * D;
+                vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+#pragma GCC unroll 8
+                for (int c = 0; c < DV; c++) {
+                    const vf8 qv = load8(qg + 8 * c);
+                    a0 += qv * load8(k0 + 8 * c);
+                    a1 += qv * load8(k0 + row + 8 * c);
+                    a2 += qv * load8(k0 + 2 * row + 8 * c);
+                    a3 += qv * load8(k0 + 3 * row + 8 * c);
+                    a4 += qv * load8(k0 + 4 * row + 8 * c);
+                    a5 += qv * load8(k0 + 5 * row + 8 * c);
+                    a6 += qv * load8(k0 + 6 * row + 8 * c);
+                    a7 += qv * load8(k0 + 7 * row + 8 * c);
+                }
+                store8(&s[g][t8], hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7) * splat8(scale));
+            }
+        }
+        for (int t = t8; t < n; t++) {
+            const float *kt = kb + t * row;
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) {
+                vf8 a = {0};
+#pragma GCC unroll 8
+                for (int c = 0; c < DV; c++)
+                    a += load8(q + g * D + 8 * c) * load8(kt + 8 * c);
+                s[g][t] = hsum8(a) * scale;
+            }
+        }
+        for (int t = n; t < 8 * nv; t++)
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++)
+                s[g][t] = -INFINITY;
+
+        /* the new running maxima, their corrections for every head at once, p = exp(s - max) */
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) {
+            vf8 v = load8(s[g]);
+            if (nv > 1) {
+                const vf8 w = load8(s[g] + 8);
+                v = select8(v > w, v, w);
+            }
+            const float mx = hmax8(v);
+            mnew[g] = mx > mrun[g] ? mx : mrun[g];
+        }
+        const vf8 corr = exp8_nonpos(load8(mrun) - load8(mnew));
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) {
+            const vf8 mg = splat8(mnew[g]);
+            vf8 p = exp8_nonpos(load8(s[g]) - mg);
+            store8(s[g], p);
+            if (nv > 1) {
+                const vf8 p1 = exp8_nonpos(load8(s[g] + 8) - mg);
+                store8(s[g] + 8, p1);
+                p += p1;
+            }
+            lrun[g] = lrun[g] * corr[g] + hsum8(p);
+            const vf8 cg = splat8(corr[g]);
+#pragma GCC unroll 8
+            for (int c = 0; c < DV; c++)
+                acc[g][c] *= cg;
+            mrun[g] = mnew[g];
+        }
+        /* acc += p . V: one load of each value row for the G heads */
+        for (int t = 0; t < n; t++) {
+            const float *vt = vb + t * row;
+            vf8 vr[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < DV; c++)
+                vr[c] = load8(vt + 8 * c);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) {
+                const vf8 pg = splat8(s[g][t]);
+#pragma GCC unroll 8
+                for (int c = 0; c < DV; c++)
+                    acc[g][c] += pg * vr[c];
+            }
+        }
+        j0 += n;
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; g++) {
+        const vf8 inv = splat8(1.0f / lrun[g]);
+#pragma GCC unroll 8
+        for (int c = 0; c < DV; c++)
+            store8(out + g * D + 8 * c, acc[g][c] * inv);
+    }
+}
+
+#define REGS_CASE(G_, DV_) \
+    case (G_) * 16 + (DV_): \
+        attend_regs(q, out, k_cache, v_cache, table, lo, ctx, block_size, kv_heads, kvh, scale, G_, DV_); \
+        return 1;
+
+/* 1 where (G, D) has a register path (and it ran), else 0 */
+static int attend_regs_any(const float *restrict q, float *restrict out, const float *k_cache, const float *v_cache,
+                           const int64_t *table, int64_t lo, int64_t ctx, int64_t block_size, int64_t kv_heads,
+                           int64_t kvh, int G, int D, float scale)
+{
+    if (D % 8)
+        return 0;
+    switch (G * 16 + D / 8) {
+    REGS_CASE(1, 1) REGS_CASE(1, 2) REGS_CASE(1, 3) REGS_CASE(1, 4) REGS_CASE(1, 5) REGS_CASE(1, 6) REGS_CASE(1, 7)
+    REGS_CASE(1, 8)
+    REGS_CASE(2, 1) REGS_CASE(2, 2) REGS_CASE(2, 3) REGS_CASE(2, 4) REGS_CASE(2, 5) REGS_CASE(2, 6) REGS_CASE(2, 7)
+    REGS_CASE(2, 8)
+    REGS_CASE(4, 1) REGS_CASE(4, 2) REGS_CASE(4, 3) REGS_CASE(4, 4) REGS_CASE(4, 5) REGS_CASE(4, 6)
+    REGS_CASE(8, 1) REGS_CASE(8, 2) REGS_CASE(8, 3)
+    default:
+        return 0;
+    }
+}
+#pragma GCC pop_options
+
 static void attend(const float *restrict q, float *restrict out, const float *k_cache, const float *v_cache,
                    const int64_t *table, int64_t lo, int64_t ctx, int64_t block_size, int64_t kv_heads,
                    int64_t kvh, int G, int D, float scale)
@@ -405,8 +595,11 @@ int mplex_paged_decode_attention(const float *q, int64_t ldq, float *out, int64_
         const int64_t b = it / kv_heads, kvh = it % kv_heads;
         const int64_t ctx = ctx_lens[b];
         const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
-        attend(q + rows[b] * ldq + kvh * G * D, out + rows[b] * ldo + kvh * G * D, k_cache, v_cache,
-               tables + b * width, lo, ctx, block_size, kv_heads, kvh, G, D, scale);
+        const float *qb = q + rows[b] * ldq + kvh * G * D;
+        float *ob = out + rows[b] * ldo + kvh * G * D;
+        if (!attend_regs_any(qb, ob, k_cache, v_cache, tables + b * width, lo, ctx, block_size, kv_heads, kvh, G,
+                             D, scale))
+            attend(qb, ob, k_cache, v_cache, tables + b * width, lo, ctx, block_size, kv_heads, kvh, G, D, scale);
     }
     return OK;
 }
