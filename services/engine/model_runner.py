@@ -81,6 +81,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_fp8 = kv_dtype == "fp8"
         self.fp8_writer = fp8_writer if self.kv_fp8 else None
+        # The native CPU kernel's library also does the layers' elementwise passes (fp32 only, like its attention).
+        native = torch.device(self.device).type == "cpu" and model.dtype == torch.float32
+        self.elementwise = attention_kernel if native and hasattr(attention_kernel, "rope_write_kv") else None
         self.kv_dtype = FP8_KV_DTYPE if self.kv_fp8 else model.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
@@ -239,7 +242,8 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
             attn=AttnMetadata(slot_mapping=slot_mapping, groups=tuple(groups), fp8_write=fp8_plan,
-                              fp8_writer=self.fp8_writer, num_threads=torch.get_num_threads()),
+                              fp8_writer=self.fp8_writer, num_threads=torch.get_num_threads(),
+                              elementwise=self.elementwise),
             sample_rows=sample_rows.to(dev),
             sampled=[s for s in scheduled if s.samples],
             token_slots=slots[seq_of_token].to(dev),

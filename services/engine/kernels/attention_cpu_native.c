@@ -46,7 +46,7 @@
 enum { OK = 0, BAD_SHAPE = 1, BAD_ROW = 2, BAD_CONTEXT = 3, BAD_BLOCK = 4, TOO_LARGE = 5, BAD_SLOT = 6,
        BLOCK_TWICE = 7, NO_MEMORY = 8 };
 
-int mplex_attn_abi_version(void) { return 2; }
+int mplex_attn_abi_version(void) { return 3; }
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
@@ -762,4 +762,133 @@ int mplex_fp8_kv_write(uint8_t *k_cache, float *k_scales, uint8_t *v_cache, floa
     free(starts);
     free(seen);
     return rc;
+}
+
+/* ---- The decoder layer's elementwise work around the projections, one pass each (fp32, row-major rows) ----
+
+   The torch path runs these as separate ops, each a pass over the activations with its own allocation:
+   RMSNorm is six, RoPE on q and k four, the K/V write three per tensor plus the copy, SiLU-and-multiply two.
+   Bits: the residual add and RoPE (products and sums in torch's order, no contraction in this part of the
+   file) are torch's exactly; RMSNorm's sum of squares and SiLU's exp are not (another summation order, a
+   polynomial exp with libm's accuracy), like any GEMM's summation order. */
+
+/* exp(x) on eight lanes for any x: +inf above 88 (exp(88.72) is FLT_MAX), 0 below -87; NaN stays NaN */
+static inline vf8 exp8_any(vf8 x)
+{
+    const vf8 hi = splat8(88.0f);
+    const vi8 over = x > hi;
+    return select8(over, splat8(INFINITY), exp8_nonpos(select8(over, hi, x)));
+}
+
+/* h [T, H] (rows ldh apart) += d (rows ldd apart) when d is not NULL; then x (rows ldx apart) =
+   w * (h / sqrt(mean(h^2) + eps)), HF's LlamaRMSNorm: h * rsqrt(var + eps), then times the weight. */
+static void add_rms_norm_row(float *restrict h, const float *restrict d, float *restrict x, const float *restrict w,
+                             int64_t H, float eps)
+{
+    const int64_t H8 = H & ~7;
+    vf8 acc0 = {0}, acc1 = {0};
+    int64_t i = 0;
+    for (; i < H8; i += 8) {
+        vf8 v = load8(h + i);
+        if (d) {
+            v = v + load8(d + i);
+            store8(h + i, v);
+        }
+        if ((i / 8) % 2)
+            acc1 += v * v;
+        else
+            acc0 += v * v;
+    }
+    float ss = hsum8(acc0 + acc1);
+    for (; i < H; i++) {
+        float v = h[i];
+        if (d) {
+            v = v + d[i];
+            h[i] = v;
+        }
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)H + eps);
+    const vf8 rv = splat8(r);
+    for (i = 0; i < H8; i += 8)
+        store8(x + i, load8(w + i) * (load8(h + i) * rv));
+    for (; i < H; i++)
+        x[i] = w[i] * (h[i] * r);
+}
+
+int mplex_add_rms_norm(float *h, int64_t ldh, const float *d, int64_t ldd, float *x, int64_t ldx, const float *w,
+                       int64_t n_rows, int64_t H, float eps, int64_t nthreads)
+{
+    if (n_rows < 0 || H <= 0 || ldh < H || ldx < H || (d && ldd < H))
+        return BAD_SHAPE;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_rows * H >= 16384)
+    for (int64_t t = 0; t < n_rows; t++)
+        add_rms_norm_row(h + t * ldh, d ? d + t * ldd : NULL, x + t * ldx, w, H, eps);
+    return OK;
+}
+
+/* out [T, I] (rows ldo apart) = silu(gu[:, :I]) * gu[:, I:2I] (rows ldg apart): silu(g) = g / (1 + exp(-g)) */
+int mplex_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t n_rows, int64_t I,
+                   int64_t nthreads)
+{
+    if (n_rows < 0 || I <= 0 || ldg < 2 * I || ldo < I)
+        return BAD_SHAPE;
+    const int64_t I8 = I & ~7;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_rows * I >= 16384)
+    for (int64_t t = 0; t < n_rows; t++) {
+        const float *g = gu + t * ldg, *u = g + I;
+        float *o = out + t * ldo;
+        int64_t i = 0;
+        for (; i < I8; i += 8) {
+            const vf8 gv = load8(g + i);
+            store8(o + i, gv / (splat8(1.0f) + exp8_any(-gv)) * load8(u + i));
+        }
+        for (; i < I; i++) {
+            const vf8 e = exp8_any(splat8(-g[i]));
+            o[i] = g[i] / (1.0f + e[0]) * u[i];
+        }
+    }
+    return OK;
+}
+
+/* RoPE on the q and k heads of qkv [T, (num_heads + 2 kv_heads) D] (rows ld apart) in place -- x cos +
+   swap_halves(x) sin_signed at each token's position, tables [max_positions, D] -- then each token's k and v
+   heads, made cacheable (|x| <= 1e18 else 0: attention.cacheable), into its slot of the fp32 caches
+   [num_slots, kv_heads, D]. Returns 0, or an error code (nothing is written then). */
+int mplex_rope_write_kv(float *qkv, int64_t ld, int64_t n_tokens, int64_t num_heads, int64_t kv_heads, int64_t D,
+                        const int64_t *positions, const float *cos_t, const float *sin_t, int64_t max_positions,
+                        float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots, int64_t nthreads)
+{
+    if (n_tokens < 0 || num_heads <= 0 || kv_heads <= 0 || D <= 0 || D % 2 || D > MAX_HEAD_DIM ||
+        ld < (num_heads + 2 * kv_heads) * D)
+        return BAD_SHAPE;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        if (positions[t] < 0 || positions[t] >= max_positions)
+            return BAD_CONTEXT;
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return BAD_SLOT;
+    }
+    const int64_t half = D / 2, rotated = num_heads + kv_heads;
+    const float limit = 1e18f;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_tokens >= 64)
+    for (int64_t t = 0; t < n_tokens; t++) {
+        float *row = qkv + t * ld;
+        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        float x[MAX_HEAD_DIM];
+        for (int64_t hd = 0; hd < rotated; hd++) {
+            float *y = row + hd * D;
+            memcpy(x, y, sizeof(float) * (size_t)D);
+            for (int64_t i = 0; i < half; i++)
+                y[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int64_t i = half; i < D; i++)
+                y[i] = x[i] * c[i] + x[i - half] * s[i];
+        }
+        float *kd = k_cache + slots[t] * kv_heads * D, *vd = v_cache + slots[t] * kv_heads * D;
+        const float *ks = row + num_heads * D, *vs = row + rotated * D;
+        for (int64_t i = 0; i < kv_heads * D; i++) {
+            kd[i] = fabsf(ks[i]) <= limit ? ks[i] : 0.0f;
+            vd[i] = fabsf(vs[i]) <= limit ? vs[i] : 0.0f;
+        }
+    }
+    return OK;
 }

@@ -20,7 +20,7 @@ import torch  # first: its libgomp is the OpenMP runtime the kernel's -fopenmp l
 from services.engine.kernels.native_build import NativeKernelUnavailable, library, open_library
 
 SOURCE = Path(__file__).with_name("attention_cpu_native.c")
-ABI_VERSION = 2
+ABI_VERSION = 3
 # The C source's stack buffers: query heads per kv head, head width, block size.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
@@ -57,6 +57,16 @@ class NativeAttention:
         write.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64]
         write.restype = ctypes.c_int
         self._fn, self._fp8, self._write = fn, fp8, write
+        norm = lib.mplex_add_rms_norm
+        norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i64]
+        norm.restype = ctypes.c_int
+        silu = lib.mplex_silu_mul
+        silu.argtypes = [ptr, i64, ptr, i64, i64, i64, i64]
+        silu.restype = ctypes.c_int
+        rope = lib.mplex_rope_write_kv
+        rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64]
+        rope.restype = ctypes.c_int
+        self._norm, self._silu, self._rope = norm, silu, rope
         self._lib = lib
 
     @staticmethod
@@ -129,6 +139,81 @@ class NativeAttention:
                          v.data_ptr(), max(v.stride(0), kv_heads * head_dim), slot_mapping.data_ptr(), n, num_threads)
         if rc:
             raise ValueError(f"native fp8 KV write refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+    # -- the decoder layer's elementwise passes (fp32, CPU): LlamaModel.forward's fused path ---------------------
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     num_threads: int) -> torch.Tensor:
+        """h += delta (in place, when given), then RMSNorm(h) * weight into a new tensor (HF's op order; the sum
+        of squares in another order). h, delta [T, H] fp32 with unit inner stride, weight [H] contiguous."""
+        _rows(h, "h")
+        if delta is not None:
+            _rows(delta, "delta", h.shape)
+        if weight.dtype != torch.float32 or weight.shape != h.shape[1:] or not weight.is_contiguous():
+            raise ValueError(f"weight must be contiguous fp32 [{h.shape[1]}], got {weight.dtype} {tuple(weight.shape)}")
+        x = torch.empty(h.shape, dtype=torch.float32)
+        rc = self._norm(h.data_ptr(), _ld(h), delta.data_ptr() if delta is not None else None,
+                        _ld(delta) if delta is not None else 0, x.data_ptr(), _ld(x), weight.data_ptr(),
+                        h.shape[0], h.shape[1], eps, num_threads)
+        if rc:
+            raise ValueError(f"native RMSNorm refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """silu(gate) * up of a fused [T, 2I] projection output (gate first), into a new [T, I] tensor."""
+        _rows(gate_up, "gate_up")
+        n, two_i = gate_up.shape
+        if two_i % 2:
+            raise ValueError(f"gate_up must hold two halves, got width {two_i}")
+        out = torch.empty(n, two_i // 2, dtype=torch.float32)
+        rc = self._silu(gate_up.data_ptr(), _ld(gate_up), out.data_ptr(), _ld(out), n, two_i // 2,
+                        num_threads)
+        if rc:
+            raise ValueError(f"native SiLU refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
+        return out
+
+    def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, positions: torch.Tensor,
+                      cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, num_threads: int) -> None:
+        """RoPE on qkv's q and k heads in place (tables [max_positions, D] as rope.RotaryEmbedding holds them:
+        torch's bits), then each token's k and v heads, made cacheable, into its slot of the fp32 caches
+        [num_blocks, block_size, KVH, D]. qkv [T, (H + 2 KVH) D] fp32, unit inner stride."""
+        _rows(qkv, "qkv")
+        n = qkv.shape[0]
+        if qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim:
+            raise ValueError(f"qkv must be [T, {(num_heads + 2 * kv_heads) * head_dim}], got {tuple(qkv.shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if (t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 or not t.is_contiguous()
+                    or t.shape[2:] != (kv_heads, head_dim)):
+                raise ValueError(f"{name} must be a contiguous fp32 [blocks, block_size, {kv_heads}, {head_dim}] CPU "
+                                 f"tensor, got {t.dtype} {tuple(t.shape)}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        for name, t in (("cos", cos), ("sin_signed", sin_signed)):
+            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != head_dim or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous fp32 [positions, {head_dim}] table")
+        for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+            if t.dtype != torch.int64 or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int64 CPU vector of {n}")
+        rc = self._rope(qkv.data_ptr(), _ld(qkv), n, num_heads, kv_heads, head_dim, positions.data_ptr(),
+                        cos.data_ptr(), sin_signed.data_ptr(), min(cos.shape[0], sin_signed.shape[0]),
+                        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
+                        slot_mapping.data_ptr(), num_threads)
+        if rc:
+            raise ValueError(f"native RoPE / KV write refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def _ld(t: torch.Tensor) -> int:
+    """A [rows, width] operand's row stride as the C passes read it (any stride is as good for fewer than 2 rows)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def _rows(t: torch.Tensor, name: str, shape=None) -> None:
+    if (t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1)
+            or (shape is not None and t.shape != shape)):
+        want = f"[{shape[0]}, {shape[1]}]" if shape is not None else "2-D"
+        raise ValueError(f"{name} must be a {want} fp32 CPU tensor with unit inner stride, got {t.dtype} "
+                         f"{tuple(t.shape)} strides {t.stride()}")
 
 
 FP8 = torch.float8_e4m3fn

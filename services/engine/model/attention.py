@@ -55,6 +55,17 @@ class Fp8Writer(Protocol):
     def write_fp8(self, k_cache, k_scales, v_cache, v_scales, k, v, slot_mapping, *, num_threads: int) -> None: ...
 
 
+class ElementwiseOps(Protocol):
+    """The decoder layer's elementwise work in single native passes (kernels/attention_native.NativeAttention)."""
+
+    def add_rms_norm(self, h, delta, weight, eps: float, num_threads: int): ...
+
+    def silu_mul(self, gate_up, num_threads: int): ...
+
+    def rope_write_kv(self, qkv, num_heads: int, kv_heads: int, head_dim: int, positions, cos, sin_signed, k_cache,
+                      v_cache, slot_mapping, num_threads: int) -> None: ...
+
+
 @dataclass(slots=True)
 class AttnGroup:
     """One padded attention batch: B sequences, Q query slots, L key slots (L = blocks * block_size)."""
@@ -92,6 +103,9 @@ class AttnMetadata:
     fp8_write: Fp8WritePlan | None = None  # fp8 cache written by torch: the step's runs of rows per block
     fp8_writer: Fp8Writer | None = None  # fp8 cache written natively (CPU, fp32)
     num_threads: int = 1
+    # The native CPU library's fused passes (RMSNorm with the residual add, RoPE with the K/V write, SiLU-and-
+    # multiply: kernels/attention_native.py), when the step runs the native decode kernel in fp32; else None.
+    elementwise: ElementwiseOps | None = None
 
 
 # Largest magnitude a cached K/V element may hold: far above any real activation, small enough that a query
@@ -183,15 +197,17 @@ def build_group(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache: LayerKV,
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; cache: [num_blocks, block_size, KVH, D] K and V. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D], or None where the step's K/V rows are in the cache already (the native
+    RoPE pass writes them); cache: [num_blocks, block_size, KVH, D] K and V. Returns [T, H, D]."""
     num_blocks, block_size, kv_heads, head_dim = cache.k.shape
-    write_kv(k, v, cache, meta)
+    if k is not None:
+        write_kv(k, v, cache, meta)
     out = torch.empty_like(q)
     for group in meta.groups:  # prefill rows, and decode rows (bucketed by context length on the torch path)
         if isinstance(group, DecodeGroup):

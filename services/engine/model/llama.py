@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from services.engine.config import ModelConfig
 from services.engine.kernels.fp8 import Fp8Weight, fp8_embedding
-from services.engine.model.attention import AttnMetadata, LayerKV, paged_attention
+from services.engine.model.attention import AttnMetadata, ElementwiseOps, LayerKV, paged_attention
 from services.engine.model.layers import Linear, LoraHook, rms_norm
 from services.engine.model.rope import RotaryEmbedding
 
@@ -105,6 +105,8 @@ class LlamaModel:
         lora: LoraHook | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        if attn.elementwise is not None:
+            return self._forward_native(attn.elementwise, input_ids, positions, attn, kv_caches, lora)
         cfg = self.config
         h = self.embed_tokens(input_ids)
         q_size, kv_size = cfg.q_size, cfg.kv_size
@@ -134,6 +136,48 @@ class LlamaModel:
                 lora.apply(i, "down", m, d)
             h = h + self.reduce(d)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def _forward_native(self, ops: ElementwiseOps, input_ids: torch.Tensor, positions: torch.Tensor,
+                        attn: AttnMetadata, kv_caches: list[LayerKV], lora: LoraHook | None) -> torch.Tensor:
+        """The forward above with its elementwise work in native passes (CPU, fp32): the residual add fused into
+        the next RMSNorm (h is updated in place), RoPE on q and k in place in the qkv output with the K/V rows
+        written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer), SiLU times up in
+        one pass. The same operations as the torch path; only RMSNorm's and SiLU's inner sums and exp differ in
+        rounding (tests/engine/kernels/test_attention_native.py, the oracle tests)."""
+        cfg, eps, nt = self.config, self.config.rms_norm_eps, attn.num_threads
+        nh, nkv, hd, q_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size
+        h = self.embed_tokens(input_ids)  # a new tensor: updated in place below
+        delta = None
+        tables = None
+        for i, layer in enumerate(self.layers):
+            x = ops.add_rms_norm(h, delta, layer.input_norm, eps, nt)
+            qkv = layer.qkv(x)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
+            cache = kv_caches[i]
+            if cache.is_fp8:
+                tables = tables or self.rope.tables(positions)
+                qk, v = qkv.split((q_size + cfg.kv_size, cfg.kv_size), dim=-1)
+                q, k = self.rope.rotate(qk.view(-1, nh + nkv, hd), *tables).split((nh, nkv), dim=1)
+                a = paged_attention(q, k, v.reshape(-1, nkv, hd), cache, attn, self.scale)
+            else:
+                ops.rope_write_kv(qkv, nh, nkv, hd, positions, self.rope.cos, self.rope.sin_signed, cache.k, cache.v,
+                                  attn.slot_mapping, nt)
+                a = paged_attention(qkv[:, :q_size].view(-1, nh, hd), None, None, cache, attn, self.scale)
+            a = a.view(-1, q_size)
+            o = layer.o(a)
+            if lora is not None:
+                lora.apply(i, "o", a, o)
+            x = ops.add_rms_norm(h, self.reduce(o), layer.post_norm, eps, nt)
+            gu = layer.gate_up(x)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, gu)
+            m = ops.silu_mul(gu, nt)
+            d = layer.down(m)
+            if lora is not None:
+                lora.apply(i, "down", m, d)
+            delta = self.reduce(d)
+        return ops.add_rms_norm(h, delta, self.norm, eps, nt)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, Fp8Weight):
