@@ -60,13 +60,10 @@ class NativeAttention:
         norm = lib.mplex_add_rms_norm
         norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i64]
         norm.restype = ctypes.c_int
-        silu = lib.mplex_silu_mul
-        silu.argtypes = [ptr, i64, ptr, i64, i64, i64, i64]
-        silu.restype = ctypes.c_int
         rope = lib.mplex_rope_write_kv
         rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64]
         rope.restype = ctypes.c_int
-        self._norm, self._silu, self._rope = norm, silu, rope
+        self._norm, self._rope = norm, rope
         self._lib = lib
 
     @staticmethod
@@ -158,19 +155,6 @@ class NativeAttention:
         if rc:
             raise ValueError(f"native RMSNorm refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
         return x
-
-    def silu_mul(self, gate_up: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """silu(gate) * up of a fused [T, 2I] projection output (gate first), into a new [T, I] tensor."""
-        _rows(gate_up, "gate_up")
-        n, two_i = gate_up.shape
-        if two_i % 2:
-            raise ValueError(f"gate_up must hold two halves, got width {two_i}")
-        out = torch.empty(n, two_i // 2, dtype=torch.float32)
-        rc = self._silu(gate_up.data_ptr(), _ld(gate_up), out.data_ptr(), _ld(out), n, two_i // 2,
-                        num_threads)
-        if rc:
-            raise ValueError(f"native SiLU refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
-        return out
 
     def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, positions: torch.Tensor,
                       cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

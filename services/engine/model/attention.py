@@ -60,8 +60,6 @@ class ElementwiseOps(Protocol):
 
     def add_rms_norm(self, h, delta, weight, eps: float, num_threads: int): ...
 
-    def silu_mul(self, gate_up, num_threads: int): ...
-
     def rope_write_kv(self, qkv, num_heads: int, kv_heads: int, head_dim: int, positions, cos, sin_signed, k_cache,
                       v_cache, slot_mapping, num_threads: int) -> None: ...
 
@@ -103,8 +101,8 @@ class AttnMetadata:
     fp8_write: Fp8WritePlan | None = None  # fp8 cache written by torch: the step's runs of rows per block
     fp8_writer: Fp8Writer | None = None  # fp8 cache written natively (CPU, fp32)
     num_threads: int = 1
-    # The native CPU library's fused passes (RMSNorm with the residual add, RoPE with the K/V write, SiLU-and-
-    # multiply: kernels/attention_native.py), when the step runs the native decode kernel in fp32; else None.
+    # The native CPU library's fused passes (RMSNorm with the residual add, RoPE with the K/V write:
+    # kernels/attention_native.py), when the step runs the native decode kernel in fp32; else None.
     elementwise: ElementwiseOps | None = None
 
 

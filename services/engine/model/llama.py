@@ -141,9 +141,9 @@ class LlamaModel:
                         attn: AttnMetadata, kv_caches: list[LayerKV], lora: LoraHook | None) -> torch.Tensor:
         """The forward above with its elementwise work in native passes (CPU, fp32): the residual add fused into
         the next RMSNorm (h is updated in place), RoPE on q and k in place in the qkv output with the K/V rows
-        written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer), SiLU times up in
-        one pass. The same operations as the torch path; only RMSNorm's and SiLU's inner sums and exp differ in
-        rounding (tests/engine/kernels/test_attention_native.py, the oracle tests)."""
+        written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer). The same
+        operations as the torch path; only RMSNorm's sum of squares differs in rounding
+        (tests/engine/kernels/test_elementwise_native.py, test_attention_native.py, the oracle tests)."""
         cfg, eps, nt = self.config, self.config.rms_norm_eps, attn.num_threads
         nh, nkv, hd, q_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size
         h = self.embed_tokens(input_ids)  # a new tensor: updated in place below
@@ -172,7 +172,8 @@ class LlamaModel:
             gu = layer.gate_up(x)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gu)
-            m = ops.silu_mul(gu, nt)
+            gate, up = gu.chunk(2, dim=-1)
+            m = F.silu(gate).mul_(up)
             d = layer.down(m)
             if lora is not None:
                 lora.apply(i, "down", m, d)
