@@ -137,7 +137,6 @@ class NativeAttention:
         if rc:
             raise ValueError(f"native fp8 KV write refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
 
-
     # -- the decoder layer's elementwise passes (fp32, CPU): LlamaModel.forward's fused path ---------------------
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      num_threads: int) -> torch.Tensor:
