@@ -141,6 +141,8 @@ class LLMEngine:
         self.stats = StepStats()
         self._grammars: GrammarCache | None = None  # made for the first constrained request
         self._seqs: dict[str, Sequence] = {}
+        self._step_itls: list[float] = []  # a step's inter-token latencies and token count (_postprocess)
+        self._step_tokens = 0
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
         self._failpoints = config.failpoints
@@ -433,6 +435,7 @@ class LLMEngine:
         self.metrics.busy_seconds.inc(elapsed)
         self.metrics.step_time.observe(elapsed)
         outputs: list[RequestOutput] = []
+        self._step_itls, self._step_tokens = [], 0  # _append_token's, into the metrics once at the end
         row = 0
         accepted = iter(accepted_lengths(sampled.token_ids, [s.draft for s in plan.scheduled if s.samples])
                         if sampled is not None and any(s.draft for s in plan.scheduled) else ())
@@ -458,6 +461,7 @@ class LLMEngine:
                 outputs.append(self._append_token(seq, token, _logprobs(seq, sampled, r), now))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc, "postprocess"))
+        self.metrics.step_tokens(self._step_itls, self._step_tokens)
         return outputs
 
     def _append_verified(self, s, sampled: SamplerOutput, r: int, n_accepted: int, now: float) -> RequestOutput:
@@ -489,9 +493,9 @@ class LLMEngine:
             self.metrics.ttft.observe(now - seq.arrival_time)
             self.metrics.tenant_ttft(seq.tenant).observe(now - seq.arrival_time)
         else:
-            self.metrics.itl.observe(now - seq.last_token_time)
+            self._step_itls.append(now - seq.last_token_time)
         seq.last_token_time = now
-        self.metrics.generation_tokens.inc()
+        self._step_tokens += 1
         p = seq.params
         stream = self._streams.get(seq.request_id)
         n_out = seq.num_output_tokens

@@ -1,6 +1,8 @@
 """Prometheus metrics of one engine, in its own registry (several engines may share a process in tests)."""
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MAX_ADAPTER_LABELS = 64
@@ -128,6 +130,15 @@ class EngineMetrics:
             self._tenant_labels.add(label)
         return label
 
+    def step_tokens(self, itls: list[float], n: int) -> None:
+        """A step's generated tokens: the counter once, and their inter-token latencies -- equal for every row
+        that also had a token in the previous step -- observed once per distinct value (observe_n). Per token
+        these two calls were ~3% of a cold burst's wall time in the engine's one step thread."""
+        if n:
+            self.generation_tokens.inc(n)
+        for value, count in collections.Counter(itls).items():
+            observe_n(self.itl, value, count)
+
     def tenant_ttft(self, tenant: str):
         return self._tenant_ttft.labels(model=self.model_name, tenant=self.tenant_label(tenant))
 
@@ -165,3 +176,19 @@ class EngineMetrics:
                 return "other"
             self._adapter_labels.add(name)
         return name
+
+
+def observe_n(hist, value: float, count: int) -> None:
+    """`count` observations of `value` in a prometheus_client histogram child, as `count` calls of observe() would
+    record them (tests/engine/test_metrics_batch.py checks the exposition against that). Uses the child's
+    bucket and sum values (the pinned prometheus_client's layout); a child without them observes one by one."""
+    buckets, bounds, total = getattr(hist, "_buckets", None), getattr(hist, "_upper_bounds", None), getattr(hist, "_sum", None)
+    if buckets is None or bounds is None or total is None or count <= 1:
+        for _ in range(count):
+            hist.observe(value)
+        return
+    total.inc(value * count)
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i].inc(count)
+            break

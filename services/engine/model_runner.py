@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine.config import KV_SCALE_DTYPE
@@ -193,8 +194,7 @@ class ModelRunner:
         offsets = torch.cumsum(lens, 0) - lens  # first row of each sequence in the flattened batch
         seq_of_token = torch.repeat_interleave(torch.arange(n_seqs), lens)
         positions = starts[seq_of_token] + torch.arange(int(lens.sum())) - offsets[seq_of_token]
-        width = max(len(s.block_table) for s in scheduled)
-        tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in scheduled], dtype=torch.int64)
+        tables = _block_tables(scheduled)
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         ctx = starts + lens
 
@@ -332,6 +332,19 @@ class ModelRunner:
             self._masks = MaskFiller(self.model.config.vocab_size,
                                      threaded=torch.device(self.device).type == "cpu" and spare_core)
         return self._masks
+
+
+def _block_tables(scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    """The rows' block tables [n, widest], padded with block 0 (never read: context lengths bound every read).
+    Filled through one mask from the tables laid end to end: a nested list through torch.tensor took ~250 us
+    at 256 decode rows, this ~70."""
+    n = len(scheduled)
+    lens = np.fromiter((len(s.block_table) for s in scheduled), dtype=np.int64, count=n)
+    flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in scheduled), dtype=np.int64,
+                       count=int(lens.sum()))
+    tables = np.zeros((n, int(lens.max())), dtype=np.int64)
+    tables[np.arange(tables.shape[1]) < lens[:, None]] = flat
+    return torch.from_numpy(tables)
 
 
 def _slot_runs(scheduled: list[ScheduledSeq]) -> tuple[tuple[int, int, int], ...] | None:
