@@ -141,8 +141,7 @@ class LLMEngine:
         self.stats = StepStats()
         self._grammars: GrammarCache | None = None  # made for the first constrained request
         self._seqs: dict[str, Sequence] = {}
-        self._step_itls: list[float] = []  # a step's inter-token latencies and token count (_postprocess)
-        self._step_tokens = 0
+        self._step_itls, self._step_tokens = [], 0  # a step's inter-token latencies and tokens (_postprocess)
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
         self._failpoints = config.failpoints
