@@ -821,11 +821,12 @@ int mplex_add_rms_norm(float *h, int64_t ldh, const float *d, int64_t ldd, float
 
 /* RoPE on the q and k heads of qkv [T, (num_heads + 2 kv_heads) D] (rows ld apart) in place -- x cos +
    swap_halves(x) sin_signed at each token's position, tables [max_positions, D] -- then each token's k and v
-   heads, made cacheable (|x| <= 1e18 else 0: attention.cacheable), into its slot of the fp32 caches
-   [num_slots, kv_heads, D]. Returns 0, or an error code (nothing is written then). */
+   heads, made cacheable (|x| <= limit else 0: attention.cacheable, limit = its KV_LIMIT), into its slot of the
+   fp32 caches [num_slots, kv_heads, D]. Returns 0, or an error code (nothing is written then). */
 int mplex_rope_write_kv(float *qkv, int64_t ld, int64_t n_tokens, int64_t num_heads, int64_t kv_heads, int64_t D,
                         const int64_t *positions, const float *cos_t, const float *sin_t, int64_t max_positions,
-                        float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots, int64_t nthreads)
+                        float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots, float limit,
+                        int64_t nthreads)
 {
     if (n_tokens < 0 || num_heads <= 0 || kv_heads <= 0 || D <= 0 || D % 2 || D > MAX_HEAD_DIM ||
         ld < (num_heads + 2 * kv_heads) * D)
@@ -837,7 +838,6 @@ int mplex_rope_write_kv(float *qkv, int64_t ld, int64_t n_tokens, int64_t num_he
             return BAD_SLOT;
     }
     const int64_t half = D / 2, rotated = num_heads + kv_heads;
-    const float limit = 1e18f;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_tokens >= 64)
     for (int64_t t = 0; t < n_tokens; t++) {
         float *row = qkv + t * ld;

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch  # first: its libgomp is the OpenMP runtime the kernel's -fopenmp links against (same soname)
 
 from services.engine.kernels.native_build import NativeKernelUnavailable, library, open_library
+from services.engine.model.attention import KV_LIMIT
 
 SOURCE = Path(__file__).with_name("attention_cpu_native.c")
 ABI_VERSION = 3
@@ -61,7 +62,7 @@ class NativeAttention:
         norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i64]
         norm.restype = ctypes.c_int
         rope = lib.mplex_rope_write_kv
-        rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64]
+        rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_float, i64]
         rope.restype = ctypes.c_int
         self._norm, self._rope = norm, rope
         self._lib = lib
@@ -181,7 +182,7 @@ class NativeAttention:
         rc = self._rope(qkv.data_ptr(), _ld(qkv), n, num_heads, kv_heads, head_dim, positions.data_ptr(),
                         cos.data_ptr(), sin_signed.data_ptr(), min(cos.shape[0], sin_signed.shape[0]),
                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
-                        slot_mapping.data_ptr(), num_threads)
+                        slot_mapping.data_ptr(), KV_LIMIT, num_threads)
         if rc:
             raise ValueError(f"native RoPE / KV write refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
 

@@ -109,32 +109,14 @@ class LlamaModel:
             return self._forward_native(attn.elementwise, input_ids, positions, attn, kv_caches, lora)
         cfg = self.config
         h = self.embed_tokens(input_ids)
-        q_size, kv_size = cfg.q_size, cfg.kv_size
-        cos, sin = self.rope.tables(positions)
+        tables = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(x)
-            if lora is not None:
-                lora.apply(i, "qkv", x, qkv)
-            qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
-            qk = self.rope.rotate(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            a = paged_attention(q, k, v.contiguous(), kv_caches[i], attn, self.scale).view(-1, q_size)
-            o = layer.o(a)
-            if lora is not None:
-                lora.apply(i, "o", a, o)
-            h = h + self.reduce(o)
+            qkv = self._project(i, "qkv", layer.qkv, x, lora)
+            a = self._attend_torch(qkv, kv_caches[i], attn, tables)
+            h = h + self.reduce(self._project(i, "o", layer.o, a, lora))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gu = layer.gate_up(x)
-            if lora is not None:
-                lora.apply(i, "gate_up", x, gu)
-            gate, up = gu.chunk(2, dim=-1)
-            m = F.silu(gate).mul_(up)
-            d = layer.down(m)
-            if lora is not None:
-                lora.apply(i, "down", m, d)
-            h = h + self.reduce(d)
+            h = h + self.reduce(self._mlp(i, layer, x, lora))
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def _forward_native(self, ops: ElementwiseOps, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -145,40 +127,49 @@ class LlamaModel:
         operations as the torch path; only RMSNorm's sum of squares differs in rounding
         (tests/engine/kernels/test_elementwise_native.py, test_attention_native.py, the oracle tests)."""
         cfg, eps, nt = self.config, self.config.rms_norm_eps, attn.num_threads
-        nh, nkv, hd, q_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed_tokens(input_ids)  # a new tensor: updated in place below
         delta = None
         tables = None
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, delta, layer.input_norm, eps, nt)
-            qkv = layer.qkv(x)
-            if lora is not None:
-                lora.apply(i, "qkv", x, qkv)
+            qkv = self._project(i, "qkv", layer.qkv, x, lora)
             cache = kv_caches[i]
             if cache.is_fp8:
                 tables = tables or self.rope.tables(positions)
-                qk, v = qkv.split((q_size + cfg.kv_size, cfg.kv_size), dim=-1)
-                q, k = self.rope.rotate(qk.view(-1, nh + nkv, hd), *tables).split((nh, nkv), dim=1)
-                a = paged_attention(q, k, v.reshape(-1, nkv, hd), cache, attn, self.scale)
+                a = self._attend_torch(qkv, cache, attn, tables)
             else:
                 ops.rope_write_kv(qkv, nh, nkv, hd, positions, self.rope.cos, self.rope.sin_signed, cache.k, cache.v,
                                   attn.slot_mapping, nt)
-                a = paged_attention(qkv[:, :q_size].view(-1, nh, hd), None, None, cache, attn, self.scale)
-            a = a.view(-1, q_size)
-            o = layer.o(a)
-            if lora is not None:
-                lora.apply(i, "o", a, o)
-            x = ops.add_rms_norm(h, self.reduce(o), layer.post_norm, eps, nt)
-            gu = layer.gate_up(x)
-            if lora is not None:
-                lora.apply(i, "gate_up", x, gu)
-            gate, up = gu.chunk(2, dim=-1)
-            m = F.silu(gate).mul_(up)
-            d = layer.down(m)
-            if lora is not None:
-                lora.apply(i, "down", m, d)
-            delta = self.reduce(d)
+                a = paged_attention(qkv[:, : cfg.q_size].view(-1, nh, hd), None, None, cache, attn,
+                                    self.scale).view(-1, cfg.q_size)
+            x = ops.add_rms_norm(h, self.reduce(self._project(i, "o", layer.o, a, lora)), layer.post_norm, eps, nt)
+            delta = self.reduce(self._mlp(i, layer, x, lora))
         return ops.add_rms_norm(h, delta, self.norm, eps, nt)
+
+    @staticmethod
+    def _project(i: int, name: str, lin: Linear, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
+        """A projection of layer i with its LoRA delta added in place."""
+        y = lin(x)
+        if lora is not None:
+            lora.apply(i, name, x, y)
+        return y
+
+    def _attend_torch(self, qkv: torch.Tensor, cache: LayerKV, attn: AttnMetadata,
+                      tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on q and k in torch (cos / signed sin rows of the step: rope.tables), the K/V write and attention:
+        [T, q_size]."""
+        cfg = self.config
+        qk, v = qkv.split((cfg.q_size + cfg.kv_size, cfg.kv_size), dim=-1)
+        qk = self.rope.rotate(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *tables)
+        q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return paged_attention(q, k, v.contiguous(), cache, attn, self.scale).view(-1, cfg.q_size)
+
+    def _mlp(self, i: int, layer: DecoderLayer, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
+        """down(silu(gate) * up) of layer i (LoRA deltas included), before the tensor-parallel reduce."""
+        gate, up = self._project(i, "gate_up", layer.gate_up, x, lora).chunk(2, dim=-1)
+        return self._project(i, "down", layer.down, F.silu(gate).mul_(up), lora)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, Fp8Weight):
