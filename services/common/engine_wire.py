@@ -25,6 +25,15 @@ WIRE_HEADER = "x-mplex-wire"
 # the first line the engine sends the rest as one line at the end. A header, not a GenerateRequest field, so an
 # engine that does not know it ignores it (and streams every step, which the caller reads alike).
 COALESCE_HEADER = "x-mplex-coalesce"
+# The streams socket: a WebSocket on the engine's port carrying many GenerateRequests at once, each stream's
+# lines batched into one frame per flush (a step) instead of one HTTP response and one write per step per request.
+# See `open_command` / `stream_line` below; the per-request endpoint GENERATE_PATH stays for everything else.
+STREAMS_PATH = "/internal/v1/streams"
+# An engine's incoming frame limit (its WebSocket max message size). A gateway flushes before a frame grows past
+# half of it and sends a request whose open command is over STREAMS_MAX_OPEN_BYTES through GENERATE_PATH instead,
+# where the engine's per-request body limit applies: one large request never costs the socket everyone shares.
+STREAMS_MAX_FRAME = 16 * 1024 * 1024
+STREAMS_MAX_OPEN_BYTES = 1024 * 1024
 _ID = r"^[A-Za-z0-9._:-]+$"
 
 
@@ -146,3 +155,36 @@ class StreamItem(BaseModel):
         if self.fault == FAULT_ENGINE:
             raise EngineUnavailable(err.message, code=err.code or "engine_unavailable")
         raise InvalidRequest(err.message, err.param, err.code, 500 if err.type == "server_error" else 400)
+
+
+# -- the streams socket ------------------------------------------------------------------------------------
+# Gateway -> engine: frames of command lines, `{"open": sid, "coalesce": bool, "request": GenerateRequest}` or
+# `{"close": sid}` (abort: the client hung up). A stream id is the gateway's, unique on its socket while open.
+# Engine -> gateway: frames of event lines, each `<sid> <event>`: a StreamItem line as GENERATE_PATH streams it,
+# `!` + a StreamRefusal (the request was not taken: what GENERATE_PATH answers as an HTTP error) or `+` + the
+# value of CLAMPED_HEADER (sent before the first item when overload clamped the request's max_tokens), or `.`: the
+# stream ended (where GENERATE_PATH's body ends; a stream that ends before an item with usage or error was lost).
+REFUSED, CLAMPED, END = b"!", b"+", b"."
+
+
+class StreamRefusal(BaseModel):
+    """A request the engine did not take on the streams socket: the HTTP error GENERATE_PATH would have answered."""
+
+    status: int
+    fault: str | None = None  # FAULT_HEADER's value: whose fault it was
+    retry_after: int | None = None
+    body: dict = Field(default_factory=dict)  # the OpenAI error body
+
+
+def open_command(sid: int, request: bytes, coalesce: bool) -> bytes:
+    """`request`: a GenerateRequest's encoding (`GenerateRequest.encode`)."""
+    return b'{"open":%d,"coalesce":%s,"request":%s}\n' % (sid, b"true" if coalesce else b"false", request)
+
+
+def close_command(sid: int) -> bytes:
+    return b'{"close":%d}\n' % sid
+
+
+def stream_line(sid: int, line: bytes) -> bytes:
+    """An event line: `line` is a StreamItem's encoding (ending in a newline) or REFUSED / CLAMPED + payload."""
+    return b"%d %s" % (sid, line)

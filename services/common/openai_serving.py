@@ -162,12 +162,13 @@ def _too_long(max_model_len: int, param: str) -> InvalidRequest:
 ChoiceStream = AsyncIterator[tuple[Delta, Usage | None]]
 
 
-async def merge(streams: list[ChoiceStream]) -> AsyncIterator[tuple[Delta, Usage | None]]:
-    """Interleave several choices' streams as their items arrive; closing this closes them all."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield item
-        return
+def merge(streams: list[ChoiceStream]) -> AsyncIterator[tuple[Delta, Usage | None]]:
+    """Interleave several choices' streams as their items arrive; closing this closes them all. One choice: its
+    own stream (a pass-through generator would cost a hop per step per stream)."""
+    return streams[0] if len(streams) == 1 else _merge(streams)
+
+
+async def _merge(streams: list[ChoiceStream]) -> AsyncIterator[tuple[Delta, Usage | None]]:
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 

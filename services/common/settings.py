@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     # Retry-After and this (services.gateway.router.Router.refused); while every engine holds one, the gateway
     # refuses that tenant's class itself, before a quota reservation.
     refusal_hold_s: float = Field(0.25, ge=0, le=30)
+    # Streams sockets per engine per gateway process (engine_wire.STREAMS_PATH: many requests on one WebSocket,
+    # one frame per step); 0: one HTTP stream per request (GENERATE_PATH) only. More than one spreads a gateway's
+    # requests over an engine's front-end processes.
+    engine_stream_sockets: int = Field(2, ge=0, le=16)
     # Request size limits of the gateway and engines (services.common.http_limits): 413 / 431 past them.
     max_request_bytes: int = Field(4 * 2**20, ge=64 * 2**10)
     max_header_bytes: int = Field(32 * 2**10, ge=8 * 2**10)

@@ -127,7 +127,12 @@ def _engine_config(options: dict, settings):
 def _uvicorn_options(log_level: str) -> dict:
     # Keep-alive longer than the gateway's pool keeps idle connections (30 s): the gateway must never send a
     # request on a connection the engine is closing (it would be lost, and lost requests are not retried).
-    return dict(log_level=log_level, timeout_graceful_shutdown=30, timeout_keep_alive=75)
+    # The streams socket (engine_wire.STREAMS_PATH): frames up to STREAMS_MAX_FRAME, not compressed (a frame per
+    # step would cost a deflate per step on both sides for a loopback or in-cluster hop).
+    from services.common.engine_wire import STREAMS_MAX_FRAME
+
+    return dict(log_level=log_level, timeout_graceful_shutdown=30, timeout_keep_alive=75, ws_max_size=STREAMS_MAX_FRAME,
+                ws_per_message_deflate=False)
 
 
 def _advertised(host: str, port: int, advertise_url: str | None) -> str:

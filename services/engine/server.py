@@ -10,13 +10,13 @@ from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
-from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage,
+from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, STREAMS_PATH, WIRE_HEADER, GenerateRequest, StreamItem, StreamUsage,
                                         check_wire_version)
 from services.common.gc_tuning import freeze_startup_heap
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
@@ -27,19 +27,18 @@ from services.common.openai_protocol import (
     CompletionRequest,
     Delta,
     Usage,
-    error_body,
-    error_of,
-    validation_error_body,
 )
 from services.common.openai_serving import ChoiceStream, collect, merge, plan_request_async, stream_sse
 from services.common.prompting import PromptBuilder
-from services.common.streaming import ClosingStreamingResponse, unless_disconnected
-from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, FAULT_REQUEST, EngineUnavailable
+from services.common.streaming import ClosingStreamingResponse, install_body_send, unless_disconnected
+from services.common.wire import CLAMPED_HEADER, EngineUnavailable
 from services.engine.async_engine import AsyncEngine
 from services.engine.core_client import CoreClient
 from services.engine.engine import RequestOutput
+from services.engine.http_errors import error_parts
 from services.engine.lora.sources import AdapterSources
 from services.engine.sequence import AdapterRef, InvalidRequest, Priority, SamplingParams
+from services.engine.streams import serve_streams
 
 log = logging.getLogger("mplex.engine.server")
 
@@ -71,6 +70,12 @@ def create_app(engine: AsyncEngine | CoreClient, *, engine_tokens: Sequence[str]
         app.add_api_route(path, endpoint, methods=[method])
     # The wire version is checked before the body is validated: a newer gateway's body may not parse here.
     app.add_api_route(GENERATE_PATH, server.generate, methods=["POST"], dependencies=[Depends(_wire_version)])
+
+    async def streams(websocket: WebSocket) -> None:
+        await serve_streams(server, websocket)
+
+    app.add_api_websocket_route(STREAMS_PATH, streams)
+    install_body_send(app)
     return app
 
 
@@ -79,35 +84,17 @@ async def _wire_version(request: Request) -> None:  # async: a sync dependency c
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    """Every error says whose fault it was (FAULT_HEADER): the gateway retries on another engine only when
-    this engine could not serve (EngineUnavailable), never a request that failed on its own."""
-    request_fault = {FAULT_HEADER: FAULT_REQUEST}
+    async def _known(_: Request, exc: Exception):
+        status, headers, body = error_parts(exc)
+        return JSONResponse(body, status, headers=headers)
 
-    @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest):
-        return JSONResponse(error_of(exc), status_code=exc.status, headers=request_fault)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        return JSONResponse(validation_error_body(exc.errors()), 400, headers=request_fault)
-
-    @app.exception_handler(AdapterFormatError)
-    async def _bad_adapter(_: Request, exc: AdapterFormatError):
-        return JSONResponse(error_body(exc.message, "invalid_request_error", exc.field, exc.code), 400, headers=request_fault)
-
-    @app.exception_handler(EngineUnavailable)
-    async def _unavailable(_: Request, exc: EngineUnavailable):
-        headers = {FAULT_HEADER: FAULT_ENGINE}
-        if exc.retry_after is not None:
-            headers["retry-after"] = str(exc.retry_after)
-        return JSONResponse(error_of(exc), exc.status, headers=headers)
+    for kind in (InvalidRequest, RequestValidationError, AdapterFormatError, EngineUnavailable):
+        app.add_exception_handler(kind, _known)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        # Raised while handling this one request (the step loop has its own isolation): its fault.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"the engine failed while handling this request ({type(exc).__name__})",
-                                       "server_error", None, "request_failed"), 500, headers=request_fault)
+        return await _known(request, exc)
 
 
 class EngineServer:
@@ -248,6 +235,17 @@ class EngineServer:
     # -- the internal stream ----------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, request: Request):
         """NDJSON: one StreamItem per step (services.common.engine_wire); the last adds `usage`."""
+        first, outputs, ids, clamped = await self.start(req)  # errors before the first token: a proper HTTP error
+        headers = {"x-request-id": req.request_id}
+        if clamped is not None:
+            headers[CLAMPED_HEADER] = clamped
+        coalesce = request.headers.get(COALESCE_HEADER) == "1"
+        return ClosingStreamingResponse(self.stream_lines(first, outputs, ids, coalesce), media_type="application/x-ndjson",
+                                        headers=headers)
+
+    async def start(self, req: GenerateRequest) -> tuple[RequestOutput | None, AsyncIterator[RequestOutput], dict, str | None]:
+        """Submit one internal-stream request and wait for its first output: (first, the rest, its ids for the log,
+        CLAMPED_HEADER's value or None). Both transports (GENERATE_PATH, the streams socket) start requests here."""
         self.refuse_if_draining()
         uri = self.sources.confine(req.adapter.uri, "adapter.uri") if req.adapter and req.adapter.uri else None
         adapter = AdapterRef(req.adapter.content_id, req.adapter.name, uri) if req.adapter else None
@@ -260,15 +258,11 @@ class EngineServer:
         ids = {"request_id": req.request_id, "client_request_id": req.client_request_id}
         log.info("request accepted", extra={**ids, "prompt_tokens": len(req.prompt_token_ids),
                                             "adapter": req.adapter.name if req.adapter else None})
-        first = await _first(outputs)  # errors before the first token become a proper HTTP error
-        headers = {"x-request-id": req.request_id}
-        if first is not None and first.clamped_from is not None:
-            headers[CLAMPED_HEADER] = str(self.engine.info.clamp_tokens)
-        coalesce = request.headers.get(COALESCE_HEADER) == "1"
-        return ClosingStreamingResponse(self._lines(first, outputs, ids, coalesce), media_type="application/x-ndjson",
-                                        headers=headers)
+        first = await _first(outputs)
+        clamped = str(self.engine.info.clamp_tokens) if first is not None and first.clamped_from is not None else None
+        return first, outputs, ids, clamped
 
-    async def _lines(self, first: RequestOutput | None, outputs: AsyncIterator[RequestOutput],
+    async def stream_lines(self, first: RequestOutput | None, outputs: AsyncIterator[RequestOutput],
                      ids: dict[str, Any], coalesce: bool = False) -> AsyncIterator[bytes]:
         """One line per step; with `coalesce`, the first step's line and then one line for all the others (a
         caller that needs only the whole answer is spared a line, a JSON encode and a write per token)."""

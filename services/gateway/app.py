@@ -20,6 +20,7 @@ from services.common.gc_tuning import freeze_startup_heap
 from services.common.http_limits import RequestLimits
 from services.common.openai_protocol import error_body, validation_error_body
 from services.common.settings import Settings
+from services.common.streaming import install_body_send
 from services.common.wire import InvalidRequest
 from services.gateway.api import (
     adapters,
@@ -82,6 +83,7 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
     app.add_middleware(RequestLimits, max_body_bytes=settings.max_request_bytes, max_header_bytes=settings.max_header_bytes,
                        streaming_paths=UPLOAD_PATHS)
     install_security_headers(app, hsts=settings.session_cookie_secure)
+    install_body_send(app)  # last: outside every middleware
     app.include_router(_probes)
     for module in (openai, batches, auth, tenant, tenant_batches, tenant_usage, playground, admin, admin_engines, finance, adapters):
         app.include_router(module.router)

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.internal_auth import client_headers
 from services.common.settings import Settings
 from services.gateway.auth import KeyAuth
+from services.gateway.engine_streams import StreamsPool
 from services.gateway.metering import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.quotas import Quotas
@@ -38,9 +39,12 @@ class Gateway:
     http: aiohttp.ClientSession
     metrics: GatewayMetrics
     pricer: object | None = None  # services.billing pricing, for the billed-amount metric
+    streams: StreamsPool | None = None  # the engines' streams sockets; None: one HTTP stream per request
 
     async def aclose(self) -> None:
         await self.meter.stop()
+        if self.streams is not None:
+            await self.streams.aclose()
         await self.http.close()
         await self.redis.aclose()
 
@@ -90,6 +94,11 @@ def build_gateway(settings: Settings, *, database_url: str, redis_url: str, base
 
         return await asyncio.to_thread(tokens_this_month, session_factory, kind, scope_id)
 
+    http = aiohttp.ClientSession(
+        headers=client_headers(settings),  # every engine endpoint requires the platform credential
+        timeout=aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=600.0),
+        connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=30),
+    )
     return Gateway(
         settings=settings,
         session_factory=session_factory,
@@ -100,10 +109,7 @@ def build_gateway(settings: Settings, *, database_url: str, redis_url: str, base
         router=Router(refusal_hold_s=settings.refusal_hold_s),
         resolver=ModelResolver(session_factory, [BaseModelInfo.from_dir(settings.base_model_name, base_model_dir)]),
         meter=Meter(session_factory, settings.home / "spool", metrics),
-        http=aiohttp.ClientSession(
-            headers=client_headers(settings),  # every engine endpoint requires the platform credential
-            timeout=aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=600.0),
-            connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=30),
-        ),
+        http=http,
         metrics=metrics,
+        streams=StreamsPool(http, settings.engine_stream_sockets) if settings.engine_stream_sockets else None,
     )

@@ -10,17 +10,20 @@ may be what killed the engine, and another engine must not be offered the same p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import orjson
 
 from services.common.openai_protocol import Delta, Usage
-from services.common.engine_wire import COALESCE_HEADER, GENERATE_PATH, WIRE_HEADER, WIRE_VERSION, GenerateRequest, StreamItem
+from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, STREAMS_MAX_OPEN_BYTES, WIRE_HEADER, WIRE_VERSION,
+                                         GenerateRequest, StreamItem, open_command)
 from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineFailed, EngineUnavailable
+from services.gateway.engine_streams import EngineStream, NotSent, Refused, StreamsPool, StreamsUnsupported
 from services.gateway.router import EngineInfo, Router
 
 log = logging.getLogger("mplex.gateway.upstream")
@@ -92,15 +95,20 @@ async def open_choice(
     result: StreamResult,
     clock,
     coalesce: bool = False,
+    streams: StreamsPool | None = None,
 ) -> AsyncIterator[tuple[Delta, Usage | None]]:
     """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream. `coalesce`:
     the caller needs only the whole answer (a non-streamed request): the engine sends the first step and then
-    the rest in one line."""
+    the rest in one line. `streams`: the engines' streams sockets (services.gateway.engine_streams), used where
+    an engine has one; otherwise, and for a request too large for them, one HTTP stream (GENERATE_PATH)."""
     tries = _Attempts()
     body = request.encode()
     headers = {"content-type": "application/json", "x-request-id": request.request_id, WIRE_HEADER: str(WIRE_VERSION)}
     if coalesce:
         headers[COALESCE_HEADER] = "1"
+    command = None  # a request too large for a socket's frames goes over HTTP, under the engine's body limit
+    if streams is not None and len(body) < STREAMS_MAX_OPEN_BYTES - 64:
+        command = functools.partial(open_command, request=body, coalesce=coalesce)  # command(stream id)
     for engine in engines:
         held = router.holding(engine.id, request.tenant, str(request.priority))
         if held is not None:  # it refused this tenant's class as overloaded a moment ago: not asked again yet
@@ -114,7 +122,7 @@ async def open_choice(
         result.attempts += 1
         router.opened(engine.id)
         opened = await _try_engine(client, router, engine, body, headers, result, tries, request.tenant,
-                                   str(request.priority))
+                                   str(request.priority), streams if command is not None else None, command)
         if opened is None:
             continue
         # Committed to this engine: from here on a failure ends the stream (it is never retried).
@@ -141,10 +149,14 @@ class _Attempts:
 
 
 async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, headers: dict[str, str],
-                      result: StreamResult, tries: _Attempts, tenant: str = "", priority: str = ""):
-    """(response, first line) once `engine` took the request; None when the next engine should be tried."""
+                      result: StreamResult, tries: _Attempts, tenant: str = "", priority: str = "",
+                      streams: StreamsPool | None = None, command=None):
+    """(body, first lines) once `engine` took the request; None when the next engine should be tried."""
     try:
-        resp, first = await _open(client, engine, body, headers)
+        opened = None
+        if streams is not None and streams.usable(engine.url):
+            opened = await _open_socket(streams, engine, command)
+        resp, first = opened or await _open(client, engine, body, headers)
     except _TryNext as exc:
         tries.last_error = str(exc)
         if exc.code == "engine_overloaded":
@@ -172,11 +184,11 @@ async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, h
         raise
     router.succeeded(engine.id)  # it took the request and produced a token: up
     result.engine_id = engine.id
-    result.clamped_max_tokens = resp.headers.get(CLAMPED_HEADER)
+    result.clamped_max_tokens = resp.clamped
     return resp, first
 
 
-async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientResponse, first: bytes, index: int,
+async def _read_stream(router: Router, engine: EngineInfo, resp: _HttpBody | EngineStream, first: bytes, index: int,
                        result: StreamResult, clock) -> AsyncIterator[tuple[Delta, Usage | None]]:
     """The engine's StreamItems as deltas, starting with the first line `_open` already read. The lines that have
     arrived by the time this reads again become one delta: a gateway keeping up sends every step on as it
@@ -218,13 +230,9 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientR
             if pending is not None:
                 yield _delta(pending, index), result.usage if finished else None
             if finished:
-                try:
-                    await resp.content.read()  # to the body's end: the connection goes back to the pool
-                except _LOST:
-                    resp.close()  # the answer is whole; that connection is not reused
                 break
             try:
-                more = await resp.content.readany()  # whatever has arrived, at least one byte; b"" at the end
+                more = await resp.read()  # whatever has arrived, at least one byte; b"" at the end
             except _LOST as exc:
                 router.failed(engine.id)
                 raise EngineLost(f"engine {engine.id} failed mid-stream ({exc.__class__.__name__})") from None
@@ -236,9 +244,8 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: aiohttp.ClientR
             raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
     finally:
         if finished:
-            resp.release()  # whole body read: the connection goes back to the pool
-        else:
-            resp.close()  # closing the connection makes the engine abort and free the sequence's KV
+            await resp.finish()
+        resp.close()  # not finished: the engine aborts the request and frees the sequence's KV
         router.closed(engine.id)
 
 
@@ -268,16 +275,9 @@ async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, 
                 err = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 err = {"error": {"message": raw[:200].decode(errors="replace")}}
-            fault = resp.headers.get(FAULT_HEADER)
-            code = (err.get("error") or {}).get("code") if isinstance(err, dict) else None
-            if fault == FAULT_ENGINE and code == EngineFailed.CODE:  # it died holding the request: as a reset
-                raise EngineLost(f"engine {engine.id} failed while holding the request")
-            if fault == FAULT_ENGINE or (fault is None and resp.status == 503):
-                # A dead engine counts against its breaker; draining or overloaded ones are healthy.
-                retry = resp.headers.get("retry-after")
-                raise _TryNext(f"engine {engine.id} answered {resp.status} ({code})", code in (None, "engine_unavailable"),
-                               code, int(retry) if retry and retry.isdigit() else None)
-            raise UpstreamRefused(resp.status, err if isinstance(err, dict) else {})
+            retry = resp.headers.get("retry-after")
+            _refused(engine, resp.status, resp.headers.get(FAULT_HEADER), int(retry) if retry and retry.isdigit() else None,
+                     err)
         first = await resp.content.readline()
     except _LOST as exc:
         resp.close()
@@ -288,4 +288,66 @@ async def _open(client: aiohttp.ClientSession, engine: EngineInfo, body: bytes, 
     if not first:
         resp.close()
         raise EngineLost(f"engine {engine.id} closed the stream before the first token")
-    return resp, first
+    return _HttpBody(resp), first
+
+
+def _refused(engine: EngineInfo, status: int, fault: str | None, retry_after: int | None, err) -> NoReturn:
+    """Raise what an engine's refusal of a request (before its first token) means for the gateway."""
+    code = (err.get("error") or {}).get("code") if isinstance(err, dict) else None
+    if fault == FAULT_ENGINE and code == EngineFailed.CODE:  # it died holding the request: as a reset
+        raise EngineLost(f"engine {engine.id} failed while holding the request")
+    if fault == FAULT_ENGINE or (fault is None and status == 503):
+        # A dead engine counts against its breaker; draining or overloaded ones are healthy.
+        raise _TryNext(f"engine {engine.id} answered {status} ({code})", code in (None, "engine_unavailable"),
+                       code, retry_after)
+    raise UpstreamRefused(status, err if isinstance(err, dict) else {})
+
+
+async def _open_socket(streams: StreamsPool, engine: EngineInfo, command) -> tuple[EngineStream, bytes] | None:
+    """The request on one of the engine's streams sockets, and its first lines; None: the engine has none (ask it
+    over HTTP)."""
+    try:
+        stream = await streams.open(engine.url, command)
+    except StreamsUnsupported:
+        return None
+    except (*_NOT_SENT, NotSent) as exc:
+        raise _TryNext(f"engine {engine.id} unreachable ({exc.__class__.__name__})", True) from None
+    except _LOST as exc:  # the handshake failed midway: nothing was sent on it
+        raise _TryNext(f"engine {engine.id} failed the streams handshake ({exc.__class__.__name__})", True) from None
+    try:
+        first = await stream.read()
+    except BaseException as exc:
+        stream.close()  # off the socket (a stream the engine still holds is aborted there)
+        if isinstance(exc, Refused):
+            r = exc.refusal
+            _refused(engine, r.status, r.fault, r.retry_after, r.body)
+        if isinstance(exc, _LOST):
+            raise EngineLost(f"engine {engine.id} failed before the first token ({exc.__class__.__name__})") from None
+        raise
+    if not first:
+        stream.close()
+        raise EngineLost(f"engine {engine.id} ended the stream before the first token")
+    return stream, first
+
+
+class _HttpBody:
+    """A GENERATE_PATH response read as an EngineStream is (services.gateway.engine_streams)."""
+
+    __slots__ = ("resp", "clamped")
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self.resp, self.clamped = resp, resp.headers.get(CLAMPED_HEADER)
+
+    async def read(self) -> bytes:
+        return await self.resp.content.readany()
+
+    async def finish(self) -> None:
+        """The answer is whole: read to the body's end so the connection goes back to the pool."""
+        try:
+            await self.resp.content.read()
+        except _LOST:
+            return  # that connection is not reused (close() below)
+        self.resp.release()
+
+    def close(self) -> None:
+        self.resp.close()  # after release(): nothing; else the connection closes and the engine aborts

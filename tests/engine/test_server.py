@@ -13,9 +13,12 @@ import uuid
 import httpx
 import openai
 import pytest
+import websockets.exceptions
+import websockets.sync.client as ws_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.adapters.storage import ObjectStore
+from services.common.engine_wire import STREAMS_PATH, close_command
 from services.common.internal_auth import ERROR_CODE, OPEN_PATHS, client_headers
 from services.engine.lora.sources import CODE as PATH_NOT_ALLOWED
 
@@ -177,7 +180,7 @@ def test_client_disconnect_on_a_non_streaming_request_aborts(server, demo_kit):
 def engine_routes(tiny_model) -> list[tuple[str, str]]:
     """(method, path) of every route of the engine app, path parameters filled in: read from `create_app` itself,
     so a route added later is covered without being listed here."""
-    from starlette.routing import Route
+    from starlette.routing import Route, WebSocketRoute
 
     from services.engine.async_engine import AsyncEngine
     from services.engine.server import create_app
@@ -187,6 +190,9 @@ def engine_routes(tiny_model) -> list[tuple[str, str]]:
     app = create_app(AsyncEngine(core), engine_tokens=[TOKEN])
     routes = []
     for route in app.routes:
+        if isinstance(route, WebSocketRoute):  # the streams socket: the middleware closes it before the handshake
+            routes.append(("WEBSOCKET", route.path))
+            continue
         assert isinstance(route, Route), f"{route!r}: check how the middleware covers it"
         path = route.path.replace("{name}", "some-adapter")
         assert "{" not in path, path
@@ -201,6 +207,11 @@ def test_every_route_but_the_probes_requires_the_engine_credential(server, engin
             "/openapi.json"} <= paths and OPEN_PATHS <= paths
     for method, path in engine_routes:
         for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+            if method == "WEBSOCKET":
+                with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                    ws_client.connect(server.replace("http://", "ws://") + path, additional_headers=headers).close()
+                assert refused.value.response.status_code == 403, (path, headers)
+                continue
             r = httpx.request(method, f"{server}{path}", headers=headers, json={} if method == "POST" else None)
             if path in OPEN_PATHS:
                 assert r.status_code == 200, (method, path, r.status_code)
@@ -212,6 +223,10 @@ def test_every_route_but_the_probes_requires_the_engine_credential(server, engin
                 assert err["code"] == ERROR_CODE and err["type"] == "authentication_error" and err["message"]
                 assert set(err) == {"message", "type", "param", "code"}
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # all an unauthenticated probe learns
+    assert ("WEBSOCKET", STREAMS_PATH) in engine_routes
+    with ws_client.connect(server.replace("http://", "ws://") + STREAMS_PATH, additional_headers=AUTH) as ws:
+        ws.send(close_command(1))  # with the credential: the socket is open and takes commands
+        ws.ping().wait(10)
 
 
 @pytest.mark.parametrize("value", [

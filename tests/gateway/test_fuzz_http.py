@@ -11,15 +11,19 @@ a 5xx; after every case every engine answers /health, and every few cases a norm
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 
 import httpx
 import pytest
+import websockets.exceptions
+import websockets.sync.client as ws_client
 from hypothesis import event, given
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
+from services.common.engine_wire import STREAMS_PATH, close_command, open_command
 from tests.factories import make_api_key, make_tenant
 from tests.fuzzing import (
     BOUNDARY_INTS,
@@ -283,6 +287,75 @@ def test_fuzz_engine_internal_stream(stack, demo_kit):
         case()
         live.serves(client)
     print(f"\n[fuzz] engine internal stream: {live.cases} cases, engines alive after each; answers {dict(live.statuses)}")
+
+
+def test_fuzz_engine_streams_socket(stack, demo_kit):
+    """The streams socket fed what the internal stream's fuzzer sends, several requests to a frame, now and then a
+    close (of a stream open or not) and lines that are no command at all: each open is refused with an OpenAI error
+    or served to its end; a line the engine cannot read drops that socket only; the engines stay up throughout."""
+    live = Liveness(stack, demo_kit.model_name)
+    url = stack.engines[0].url.replace("http://", "ws://") + STREAMS_PATH
+
+    def connect():
+        return ws_client.connect(url, additional_headers=live.auth).__enter__()  # closed by hand below
+
+    sockets = [connect()]
+    sids = itertools.count()
+    outcomes: Counter[str] = Counter()
+    garbage = st.one_of(st.binary(min_size=1, max_size=40), st.sampled_from(
+        [b'{"open": -1}', b'{"open": true}', b'{"close": "a"}', b"[1, 2]", b"null", b'{"open": 1e999}']))
+    with httpx.Client() as client:
+
+        @given(payloads=st.lists(generate_payloads(), min_size=1, max_size=3), close=st.booleans(),
+               junk=st.one_of(st.none(), garbage))
+        @fuzz_settings(60)
+        def case(payloads, close, junk):
+            frame, waiting = b"", set()
+            for payload in payloads:
+                sid = next(sids)
+                frame += open_command(sid, json.dumps(payload, ensure_ascii=True).encode(), False)  # as _send does
+                waiting.add(sid)
+            if close:
+                frame += close_command(min(waiting))
+                waiting.discard(min(waiting))
+            if junk is not None:
+                frame += junk.replace(b"\n", b" ") + b"\n"
+            ws = sockets[0]
+            ws.send(frame)
+            items: dict[int, list[dict]] = {}
+            done: set[int] = set()
+            try:
+                while waiting - done:
+                    for line in ws.recv(timeout=120).split(b"\n"):
+                        if not line:
+                            continue
+                        sid_text, ev = line.split(b" ", 1)
+                        sid = int(sid_text)
+                        if ev[:1] == b"!":  # refused: an OpenAI error, a status the HTTP endpoint may answer
+                            refusal = json.loads(ev[1:])
+                            assert refusal["status"] in ALLOWED and refusal["body"]["error"]["message"], refusal
+                            outcomes[f"refused {refusal['status']}"] += 1
+                            done.add(sid)
+                        elif ev[:1] == b".":  # ended: served to its end without an error
+                            got = items.pop(sid, [])
+                            assert got and "usage" in got[-1] and not any("error" in i for i in got), got[-1:]
+                            outcomes["served"] += 1
+                            done.add(sid)
+                        elif ev[:1] != b"+":
+                            items.setdefault(sid, []).append(json.loads(ev))
+            except websockets.exceptions.ConnectionClosed:
+                # Only a line the engine could not read drops the socket (junk may be a valid close by chance).
+                assert junk is not None, "the engine dropped a socket that kept to the protocol"
+                outcomes["socket dropped"] += 1
+            if junk is not None:  # dropped now or about to be (its opens may all have answered first): a new one
+                ws.close()
+                sockets[0] = connect()
+            live.check(client)
+
+        case()
+        sockets[0].close()
+        live.serves(client)
+    print(f"\n[fuzz] engine streams socket: {live.cases} cases, engines alive after each; outcomes {dict(outcomes)}")
 
 
 def test_fuzz_engine_openai_endpoints(stack, demo_kit):

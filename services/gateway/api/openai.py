@@ -308,7 +308,7 @@ def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, 
             coalesce: bool = False):
     async def gen():
         async for delta, usage in open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic,
-                                              coalesce):
+                                              coalesce, gw.streams):
             if usage is not None and not counts_prompt:
                 # a prompt counts once, however many choices it has
                 usage = Usage(0, usage.completion_tokens, 0, usage.draft_tokens, usage.accepted_draft_tokens)
