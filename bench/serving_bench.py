@@ -34,7 +34,7 @@ N_BURST = int(os.environ.get("MPLEX_BENCH_SERVING_BURST", "256"))
 MAX_NEW = 64
 N_ADAPTERS, SLOTS, RANK = 256, 32, 8
 RATES = tuple(float(r) for r in os.environ.get("MPLEX_BENCH_SERVING_RATES", "4,8,16,24,32,48,64,96").split(","))
-GATEWAY_ROUNDS = int(os.environ.get("MPLEX_BENCH_SERVING_GATEWAY_ROUNDS", "3"))
+GATEWAY_ROUNDS = int(os.environ.get("MPLEX_BENCH_SERVING_GATEWAY_ROUNDS", "5"))  # medians of 5: this VM drifts
 RAMP_SECONDS = float(os.environ.get("MPLEX_BENCH_SERVING_RAMP_S", "10"))
 SLO_TTFT, SLO_TPOT = 1.0, 0.050
 # vLLM's settings, reported in the results: fp32 like the engine, the same context, slots and adapter cache;

@@ -101,7 +101,7 @@ class EngineStream:
                 return b""
             if self.lost:
                 raise ConnectionResetError("the engine's streams socket was lost")
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = self.socket.loop.create_future()  # the socket's loop: get_running_loop() costs a getpid
             try:
                 await self.waiter
             finally:
@@ -124,6 +124,7 @@ class _Socket:
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str):
         self.ws, self.url = ws, url
+        self.loop = asyncio.get_running_loop()
         self.streams: dict[int, EngineStream] = {}
         self.ids = itertools.count()
         self.out: list[bytes] = []

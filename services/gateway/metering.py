@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
@@ -49,10 +49,11 @@ class UsageRecord:
     service_tier: str = "default"  # "batch": a Batch API line (services.common.batch_contract.SERVICE_TIER)
 
     def to_row(self) -> dict:
-        return asdict(self)
+        # Shallow: every field is immutable (asdict deep-copied each UUID and datetime, per request on the hot path).
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = self.to_row()
         for k in ("tenant_id", "api_key_id", "adapter_version_id"):
             d[k] = str(d[k]) if d[k] is not None else None
         d["created_at"] = self.created_at.isoformat()
@@ -65,6 +66,9 @@ class UsageRecord:
             row[k] = uuid.UUID(row[k]) if row.get(k) else None
         row["created_at"] = datetime.fromisoformat(row["created_at"])
         return row
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(UsageRecord))
 
 
 _INSERT = insert(UsageEvent.__table__).on_conflict_do_nothing(index_elements=["request_id"])

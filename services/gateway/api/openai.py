@@ -306,24 +306,47 @@ def _wire_request(gw, principal, req, job, adapter, request_id: str, client_id: 
 
 def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, counts_prompt: bool,
             coalesce: bool = False):
+    stream = open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic, coalesce, gw.streams)
+    if counts_prompt:
+        return stream  # as it is: a wrapper would cost a hop per step per stream
+
     async def gen():
-        async for delta, usage in open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic,
-                                              coalesce, gw.streams):
-            if usage is not None and not counts_prompt:
-                # a prompt counts once, however many choices it has
-                usage = Usage(0, usage.completion_tokens, 0, usage.draft_tokens, usage.accepted_draft_tokens)
-            yield delta, usage
+        try:
+            async for delta, usage in stream:
+                if usage is not None:  # a prompt counts once, however many choices it has
+                    usage = Usage(0, usage.completion_tokens, 0, usage.draft_tokens, usage.accepted_draft_tokens)
+                yield delta, usage
+        finally:
+            await stream.aclose()
 
     return gen()
 
 
-async def _prepend(first, items: AsyncIterator) -> AsyncIterator:
-    try:
-        yield first
-        async for item in items:
-            yield item
-    finally:
-        await items.aclose()
+class _prepend:  # noqa: N801 -- used as the generator function it replaced
+    """`first`, then what `items` yields: the first item was read to turn early failures into HTTP errors. Not a
+    generator: after the first item each step is `items`' own __anext__, without a frame of its own."""
+
+    __slots__ = ("first", "items")
+
+    def __init__(self, first, items: AsyncIterator):
+        self.first, self.items = first, items
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        first = self.first
+        if first is None:
+            return self.items.__anext__()
+        self.first = None
+        return _ready(first)
+
+    async def aclose(self) -> None:
+        await self.items.aclose()
+
+
+async def _ready(value):
+    return value
 
 
 def _response_id(kind: str, request_id: str) -> str:
