@@ -59,7 +59,9 @@ class _Outbox:
                 self.wake.clear()
                 lines, self.lines = self.lines, []
                 await self.ws.send({"type": "websocket.send", "bytes": b"".join(lines)})
-        except (OSError, RuntimeError) as exc:  # the gateway went away: the reader sees it and cancels everything
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- the gateway went away: the reader sees it and cancels everything
             log.info("streams socket closed while sending (%s)", exc.__class__.__name__)
 
     async def aclose(self) -> None:
@@ -87,6 +89,10 @@ async def serve_streams(server: Any, websocket: WebSocket) -> None:
             for line in data.splitlines():
                 if line.strip():
                     _command(server, line, tasks, out)
+    except ValueError as exc:  # a line that is no command: not the gateway's protocol, this socket is dropped
+        log.warning("streams socket dropped: %s", exc)
+        with contextlib.suppress(Exception):
+            await websocket.close(code=1008)
     finally:
         for task in tasks.values():
             task.cancel()  # the gateway is gone: every request on this socket is aborted

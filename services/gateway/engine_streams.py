@@ -110,7 +110,8 @@ class EngineStream:
         return b"\n".join(lines) + b"\n"
 
     async def finish(self) -> None:
-        """The answer is whole (nothing to read to the end of, unlike an HTTP body)."""
+        """The answer is whole: nothing to read to its end (unlike an HTTP body), nothing to abort on close."""
+        self.ended = True
 
     def close(self) -> None:
         """Done with it: a stream that has not ended is aborted on the engine (as closing an HTTP stream does)."""

@@ -243,10 +243,12 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: _HttpBody | Eng
             router.failed(engine.id)
             raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
     finally:
-        if finished:
-            await resp.finish()
-        resp.close()  # not finished: the engine aborts the request and frees the sequence's KV
-        router.closed(engine.id)
+        try:
+            if finished:
+                await resp.finish()
+        finally:
+            resp.close()  # not finished: the engine aborts the request and frees the sequence's KV
+            router.closed(engine.id)
 
 
 def _delta(item: StreamItem, index: int) -> Delta:
