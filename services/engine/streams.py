@@ -104,7 +104,7 @@ def _command(server: Any, line: bytes, tasks: dict[int, asyncio.Task], out: _Out
     try:
         cmd = _loads(line)
         sid = cmd.get("open", cmd.get("close")) if isinstance(cmd, dict) else None
-    except ValueError:
+    except (ValueError, RecursionError):  # no JSON, or nested past the parsers' depth
         sid = None
     if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
         raise ValueError("a streams command without a stream id")  # not the gateway's protocol: drop the socket

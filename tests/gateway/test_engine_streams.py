@@ -141,13 +141,15 @@ def test_a_stream_the_gateway_closes_is_aborted_on_the_engine(stack):
     assert rest_tokens > 0  # the one still open kept streaming to its end
 
 
-def test_garbage_on_a_socket_drops_that_socket_only(stack):
+@pytest.mark.parametrize("garbage", [b'{"open": "x"}\nnot json at all\n', b"[" * 5000 + b"\n"],
+                         ids=["no-stream-id", "nested-past-the-parsers"])
+def test_garbage_on_a_socket_drops_that_socket_only(stack, garbage):
     proc, auth = stack.engines[0], stack.engine_headers()
     url = proc.url.replace("http://", "ws://") + STREAMS_PATH
-    good = _req("beside-garbage", [5, 6, 7], max_tokens=40)
+    good = _req(f"beside-garbage-{len(garbage)}", [5, 6, 7], max_tokens=40)
     with ws_client.connect(url, additional_headers=auth) as keep, ws_client.connect(url, additional_headers=auth) as bad:
         keep.send(open_command(0, good.encode(), False))
-        bad.send(b'{"open": "x"}\nnot json at all\n')
+        bad.send(garbage)
         with pytest.raises(Exception):  # the engine drops the socket that broke the protocol
             bad.recv(timeout=10)
             bad.recv(timeout=10)
