@@ -93,12 +93,13 @@ class EngineStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def read(self) -> bytes:
+    async def _arrived(self) -> bool:
+        """Wait until a line is here (True), the stream ended (False), was refused or the socket lost (raised)."""
         while not self.lines:
             if self.refusal is not None:
                 raise Refused(self.refusal)
             if self.ended:
-                return b""
+                return False
             if self.lost:
                 raise ConnectionResetError("the engine's streams socket was lost")
             self.waiter = self.socket.loop.create_future()  # the socket's loop: get_running_loop() costs a getpid
@@ -106,6 +107,16 @@ class EngineStream:
                 await self.waiter
             finally:
                 self.waiter = None
+        return True
+
+    async def read_first(self) -> bytes:
+        """The first line alone, as an HTTP stream's first readline: the first token goes to the client at once,
+        whatever arrived behind it follows as the next read."""
+        return self.lines.pop(0) + b"\n" if await self._arrived() else b""
+
+    async def read(self) -> bytes:
+        if not await self._arrived():
+            return b""
         lines, self.lines = self.lines, []
         return b"\n".join(lines) + b"\n"
 

@@ -317,7 +317,7 @@ async def _open_socket(streams: StreamsPool, engine: EngineInfo, command) -> tup
     except _LOST as exc:  # the handshake failed midway: nothing was sent on it
         raise _TryNext(f"engine {engine.id} failed the streams handshake ({exc.__class__.__name__})", True) from None
     try:
-        first = await stream.read()
+        first = await stream.read_first()
     except BaseException as exc:
         stream.close()  # off the socket (a stream the engine still holds is aborted there)
         if isinstance(exc, Refused):
