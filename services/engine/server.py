@@ -270,13 +270,16 @@ class EngineServer:
         try:
             out = first
             while out is not None:
-                item = self._item(out, ids)
-                if not coalesce or out is first:
-                    yield item.encode()
-                elif held is None:
-                    held = item
+                if (not coalesce or out is first) and not out.finished and out.logprobs is None:
+                    yield StreamItem.step_line(out.new_text, out.new_token_ids)  # a plain step: no model to build
                 else:
-                    held.extend(item)
+                    item = self._item(out, ids)
+                    if not coalesce or out is first:
+                        yield item.encode()
+                    elif held is None:
+                        held = item
+                    else:
+                        held.extend(item)
                 try:
                     out = await anext(outputs, None)
                 except (InvalidRequest, EngineUnavailable) as exc:  # failed mid-stream: say so, then end
