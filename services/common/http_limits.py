@@ -17,6 +17,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.common.openai_protocol import error_body
+from services.common.streaming import DIRECT_WRITE, ConnectionWriter
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_HEADER_BYTES = 32 * 2**10
@@ -93,7 +94,8 @@ async def _respond(send, status: int, body: bytes) -> None:
 
 class HeadLimitedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing (431, then closing) a request whose head passes
-    `max_head_bytes` before it completes: httptools itself buffers any head, however long."""
+    `max_head_bytes` before it completes: httptools itself buffers any head, however long. It also offers each
+    request's streamed body a synchronous writer (services.common.streaming.DirectBody)."""
 
     max_head_bytes = DEFAULT_MAX_HEADER_BYTES
 
@@ -110,6 +112,9 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # this request's cycle (not a WebSocket upgrade)
+            self.scope[DIRECT_WRITE] = ConnectionWriter(cycle)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

@@ -12,6 +12,7 @@ from typing import Literal
 
 import orjson
 
+from services.common.streaming import DirectBody
 from services.common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -216,14 +217,28 @@ async def stream_sse(
     on_usage: Callable[[Usage], None] | None = None,
     on_sent: Callable[[int, int], None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
+    direct: DirectBody | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of the merged choice streams. `on_sent(choice, tokens)` is called once a chunk has been
     handed to the connection, for the tokens it carries (a hung-up client is billed for those only). A
     refusal or engine failure mid-stream ends the stream with an OpenAI error event (`on_error` hears of
-    it), not a broken connection."""
+    it), not a broken connection. `direct`: the response's fast path (services.common.streaming.DirectBody), taken
+    for one choice without logprobs or tool calls: a step's text rendered here, on the producer's call."""
     builder = ResponseBuilder(plan.kind, response_id, model, len(plan.jobs), plan.want_logprobs, plan.parses_tool_calls)
     usage = Usage()
     pending = [0] * len(plan.jobs)  # tokens received per choice whose text has not been sent yet
+
+    def render(delta: Delta) -> bytes | None:  # a step's tokens on the fast path: never the last item, no usage
+        chunk = sse(builder.chunk(delta)) if delta.text else None  # first: a failure here leaves nothing counted
+        pending[0] += len(delta.token_ids)
+        if chunk is not None:
+            if on_sent is not None:
+                on_sent(0, pending[0])
+            pending[0] = 0
+        return chunk
+
+    if direct is not None and len(plan.jobs) == 1 and not plan.want_logprobs and not plan.parses_tool_calls:
+        direct.render = render
     try:
         async for delta, u in items:
             if u is not None:
@@ -240,6 +255,8 @@ async def stream_sse(
         yield sse(error_of(exc))
         return
     finally:
+        if direct is not None:
+            direct.render = None
         await _close(items)  # a client that hangs up aborts every choice upstream at once
     if on_usage is not None:
         on_usage(usage)

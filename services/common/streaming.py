@@ -44,6 +44,58 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+# A ConnectionWriter, put in the scope by our HTTP protocol (services.common.http_limits.HeadLimitedHttpTools).
+DIRECT_WRITE = "mplex.direct_write"
+
+
+class ConnectionWriter:
+    """Writes a streamed response's body chunks to the connection synchronously, as the server's `send` would
+    (chunked encoding), when it can do so at once: the response has started and is not complete, the client is
+    there and the connection's buffer is not over its high-water mark. Otherwise `writable()` is False and the
+    chunk takes the ASGI path (which waits for the buffer to drain). Reads uvicorn's request cycle (the version
+    in requirements.lock); tests/gateway/test_direct_body.py checks the bytes on the wire."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle):
+        self.cycle = cycle
+
+    def writable(self) -> bool:
+        c = self.cycle
+        return (c.response_started and not c.response_complete and not c.disconnected and c.chunked_encoding is True
+                and not c.flow.write_paused and not c.transport.is_closing())
+
+    def write(self, body: bytes) -> None:
+        self.cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+
+
+class DirectBody:
+    """The fast path of a streamed response whose chunks come from another task's dispatch (the gateway's engine
+    streams socket: one frame a step for hundreds of streams). Waking the response's task for every token, to
+    pull one chunk through its generators and the server's `send`, cost more of the gateway's CPU than the
+    token's JSON and the socket write together. Instead, while that task is waiting for its next item, the
+    dispatcher hands the item to `offer`: the body's renderer (set by stream_sse) writes its chunk straight to the
+    connection. Anything the fast path cannot take -- the connection not writable, the last item, an error, a
+    line it does not read -- goes the usual way, in order: the task is woken and finds it. Three layers each set
+    their part: ClosingStreamingResponse the `writer`, stream_sse the `render`er, the producer calls `offer`."""
+
+    __slots__ = ("writer", "render")
+
+    def __init__(self):
+        self.writer: ConnectionWriter | None = None
+        self.render = None  # Delta -> bytes | None (the SSE chunk; None: nothing to send yet)
+
+    def ready(self) -> bool:
+        """Whether `offer` would take an item now."""
+        return self.render is not None and self.writer is not None and self.writer.writable()
+
+    def offer(self, delta) -> None:
+        """Send one item's chunk (only after `ready()`); raises (having sent nothing) if the item cannot be rendered."""
+        chunk = self.render(delta)
+        if chunk is not None:
+            self.writer.write(chunk)
+
+
 # The server's own `send`, put in the scope by `install_body_send` (outside every middleware).
 BODY_SEND = "mplex.body_send"
 
@@ -73,6 +125,10 @@ def install_body_send(app) -> None:
 class ClosingStreamingResponse(StreamingResponse):
     _body_send = None
 
+    def __init__(self, content, *args, direct: DirectBody | None = None, **kwargs):
+        super().__init__(content, *args, **kwargs)
+        self.direct = direct
+
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         body_send = self._body_send or send  # see install_body_send
@@ -82,9 +138,13 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         self._body_send = scope.get(BODY_SEND)
+        if self.direct is not None:
+            self.direct.writer = scope.get(DIRECT_WRITE)
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.direct is not None:
+                self.direct.writer = self.direct.render = None
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 with anyio.CancelScope(shield=True):

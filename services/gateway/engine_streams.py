@@ -61,11 +61,14 @@ class EngineStream:
     """One request on a socket. `read()` returns the NDJSON lines that arrived since the last read (at least one;
     b"" once the engine ended the stream); the socket lost raises ConnectionResetError."""
 
-    __slots__ = ("sid", "socket", "lines", "waiter", "refusal", "clamped", "ended", "lost")
+    __slots__ = ("sid", "socket", "lines", "waiter", "refusal", "clamped", "ended", "lost", "sink")
 
     def __init__(self, sid: int, socket: _Socket):
         self.sid, self.socket = sid, socket
         self.lines: list[bytes] = []
+        # Takes a line while the reader waits with nothing queued (its client's fast path, upstream._direct_step):
+        # True if it took it, False to queue it as usual.
+        self.sink = None
         self.waiter: asyncio.Future | None = None
         self.refusal: StreamRefusal | None = None
         self.clamped: str | None = None
@@ -81,6 +84,13 @@ class EngineStream:
         elif kind == REFUSED:
             self.refusal = StreamRefusal.model_validate_json(event[1:])
         else:
+            if self.sink is not None and self.waiter is not None and not self.lines:
+                try:
+                    if self.sink(event):
+                        return  # on its way to the client: the reader sleeps on
+                except Exception:  # noqa: BLE001 -- a fault of this stream's fast path must not reach the socket's others
+                    log.exception("stream %d: the fast path failed; the relay goes on without it", self.sid)
+                    self.sink = None
             self.lines.append(event)
         self._wake()
 

@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 
 from services.common.openai_protocol import Delta, Usage
+from services.common.streaming import DirectBody
 from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, STREAMS_MAX_OPEN_BYTES, WIRE_HEADER, WIRE_VERSION,
                                          GenerateRequest, StreamItem, open_command)
 from services.common.wire import CLAMPED_HEADER, FAULT_ENGINE, FAULT_HEADER, EngineFailed, EngineUnavailable
@@ -96,11 +97,13 @@ async def open_choice(
     clock,
     coalesce: bool = False,
     streams: StreamsPool | None = None,
+    direct: DirectBody | None = None,
 ) -> AsyncIterator[tuple[Delta, Usage | None]]:
     """Yields (delta, usage-on-last) for one choice. Closing the iterator closes the engine stream. `coalesce`:
     the caller needs only the whole answer (a non-streamed request): the engine sends the first step and then
     the rest in one line. `streams`: the engines' streams sockets (services.gateway.engine_streams), used where
-    an engine has one; otherwise, and for a request too large for them, one HTTP stream (GENERATE_PATH)."""
+    an engine has one; otherwise, and for a request too large for them, one HTTP stream (GENERATE_PATH).
+    `direct`: the client response's fast path, fed from the socket's dispatch (see `_read_stream`)."""
     tries = _Attempts()
     body = request.encode()
     headers = {"content-type": "application/json", "x-request-id": request.request_id, WIRE_HEADER: str(WIRE_VERSION)}
@@ -127,7 +130,7 @@ async def open_choice(
             continue
         # Committed to this engine: from here on a failure ends the stream (it is never retried).
         resp, first = opened
-        async for out in _read_stream(router, engine, resp, first, index, result, clock):
+        async for out in _read_stream(router, engine, resp, first, index, result, clock, direct):
             yield out
         return
     raise tries.exhausted(result.attempts)
@@ -189,12 +192,18 @@ async def _try_engine(client, router: Router, engine: EngineInfo, body: bytes, h
 
 
 async def _read_stream(router: Router, engine: EngineInfo, resp: _HttpBody | EngineStream, first: bytes, index: int,
-                       result: StreamResult, clock) -> AsyncIterator[tuple[Delta, Usage | None]]:
+                       result: StreamResult, clock, direct: DirectBody | None = None
+                       ) -> AsyncIterator[tuple[Delta, Usage | None]]:
     """The engine's StreamItems as deltas, starting with the first line `_open` already read. The lines that have
     arrived by the time this reads again become one delta: a gateway keeping up sends every step on as it
     comes, one that lags behind its streams (hundreds of them, beside the engines on the same cores) sends each
-    stream's backlog as one chunk -- one pass through the ASGI stack and one write, not one per step."""
+    stream's backlog as one chunk -- one pass through the ASGI stack and one write, not one per step.
+
+    With `direct` and a streams socket, a step's line that arrives while this waits is not queued for it: the
+    socket's dispatch hands it to `_direct_step`, which sends it to the client at once (DirectBody)."""
     finished = False
+    if direct is not None and isinstance(resp, EngineStream):
+        resp.sink = functools.partial(_direct_step, direct, engine, index, result, clock)
     try:
         buf: bytes = first
         while buf:
@@ -243,12 +252,33 @@ async def _read_stream(router: Router, engine: EngineInfo, resp: _HttpBody | Eng
             router.failed(engine.id)
             raise EngineLost(f"engine {engine.id} ended the stream before the request finished")
     finally:
+        if isinstance(resp, EngineStream):
+            resp.sink = None
         try:
             if finished:
                 await resp.finish()
         finally:
             resp.close()  # not finished: the engine aborts the request and frees the sequence's KV
             router.closed(engine.id)
+
+
+def _direct_step(direct: DirectBody, engine: EngineInfo, index: int, result: StreamResult, clock, line: bytes) -> bool:
+    """A step's line on the fast path: sent to the client (True), or left for the relay above (False) -- the client's
+    connection not writable now, or anything but a step's tokens (the last line, an error, logprobs, a line that
+    does not parse: the relay says what is wrong with it)."""
+    if not direct.ready():
+        return False
+    try:
+        item = StreamItem.decode(line)
+    except ValueError:
+        return False
+    if item.error is not None or item.usage is not None or item.finish_reason is not None or item.logprobs is not None:
+        return False
+    direct.offer(_delta(item, index))
+    result.delivered_tokens += len(item.token_ids)
+    if result.first_token_at is None and item.token_ids:
+        result.first_token_at = clock()
+    return True
 
 
 def _delta(item: StreamItem, index: int) -> Delta:

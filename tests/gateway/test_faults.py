@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import pytest
 import redis
 from sqlalchemy import func, select
 
@@ -91,7 +92,11 @@ def test_quota_exactness_under_200_concurrent_requests(stack, demo_kit, db):
     assert sum(window) == used  # reservations were replaced by actual usage, exactly
 
 
-def test_disconnect_storm_frees_engines_settles_quotas_and_meters_delivered_tokens(stack, demo_kit, db):
+@pytest.mark.parametrize("logprobs", [0, None], ids=["logprobs", "fast-path"])
+def test_disconnect_storm_frees_engines_settles_quotas_and_meters_delivered_tokens(stack, demo_kit, db, logprobs):
+    """With logprobs each chunk says how many tokens it carries; without, the gateway's fast path (chunks written
+    from the engine socket's dispatch, services.common.streaming.DirectBody) relays them and a chunk is at least
+    one token."""
     tenant = make_tenant(db, limits={"concurrent_requests": 200})
     key = make_api_key(db, tenant=tenant).secret
     rng = random.Random(5)
@@ -103,8 +108,10 @@ def test_disconnect_storm_frees_engines_settles_quotas_and_meters_delivered_toke
     cancelled_max_tokens = 400
 
     async def one(c: httpx.AsyncClient, i: int) -> tuple[str, int, bool]:
-        body = {"model": demo_kit.model_name, "prompt": f"Hello {i}", "stream": True, "ignore_eos": True, "logprobs": 0,
+        body = {"model": demo_kit.model_name, "prompt": f"Hello {i}", "stream": True, "ignore_eos": True,
                 "max_tokens": cancelled_max_tokens if i in cancel else max_tokens}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         received = 0
         async with c.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
             assert r.status_code == 200
@@ -116,6 +123,8 @@ def test_disconnect_storm_frees_engines_settles_quotas_and_meters_delivered_toke
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["logprobs"]:
                     received += len(chunk["choices"][0]["logprobs"]["tokens"])
+                elif chunk["choices"] and logprobs is None:
+                    received += 1  # a chunk: at least one token
                 if i in cancel and received >= stop_after:
                     break  # leaving the block closes the connection mid-stream
         return rid, received, i in cancel
@@ -135,8 +144,10 @@ def test_disconnect_storm_frees_engines_settles_quotas_and_meters_delivered_toke
             assert row.status == "cancelled"
             # Billed = what the gateway wrote to the client; a few chunks may still sit in socket buffers.
             assert received <= row.completion_tokens < cancelled_max_tokens
-        else:
+        elif logprobs is not None:
             assert row.status == "ok" and row.completion_tokens == received == max_tokens
+        else:
+            assert row.status == "ok" and row.completion_tokens == max_tokens and 0 < received <= max_tokens
 
 
 def test_ledger_survives_postgres_stopping_mid_traffic(stack_env, demo_kit, db, tmp_path, tmp_path_factory):

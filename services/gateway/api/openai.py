@@ -28,7 +28,7 @@ from services.common.ids import new_request_id
 from services.common.keys import SCOPE_INFERENCE
 from services.common.logging import bind
 from services.common.engine_wire import AdapterSpec, GenerateRequest
-from services.common.streaming import ClosingStreamingResponse, unless_disconnected
+from services.common.streaming import ClosingStreamingResponse, DirectBody, unless_disconnected
 from services.common.openai_protocol import ChatCompletionRequest, CompletionRequest, Usage
 from services.common.openai_serving import OpenAIPlan, collect, merge, plan_request_async, stream_sse
 from services.common.wire import CLAMPED_HEADER, EngineUnavailable, InvalidRequest
@@ -194,7 +194,8 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
         if held is not None:
             raise NoEngineAvailable("every engine serving this model refused this tenant's requests as overloaded "
                                     "just now", code="engine_overloaded", retry_after=held)
-        items = merge(await open_streams(call, req, engines))
+        direct = DirectBody() if req.stream else None
+        items = merge(await open_streams(call, req, engines, direct))
         first = await anext(items)  # failures before any token become HTTP errors (after retries elsewhere)
         clamped = next((r.clamped_max_tokens for r in call.results if r.clamped_max_tokens), None)
         if clamped:  # the engine clamped this batch-class request's max_tokens under overload
@@ -212,8 +213,8 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
         raise err from None
     response_id = _response_id(kind, request_id)
     if req.stream:
-        return ClosingStreamingResponse(_sse_body(call, response_id, req.model, _prepend(first, items)),
-                                         media_type="text/event-stream", headers=headers)
+        return ClosingStreamingResponse(_sse_body(call, response_id, req.model, _prepend(first, items), direct),
+                                         media_type="text/event-stream", headers=headers, direct=direct)
     try:
         body, _ = await unless_disconnected(request, collect(plan, response_id, req.model, _prepend(first, items)))
     except BaseException as exc:
@@ -246,8 +247,10 @@ async def _reserve(gw, principal, plan: OpenAIPlan, request_id: str) -> Reservat
                                       code="quota_unavailable") from None
 
 
-async def open_streams(call: Call, req, engines: list | None = None) -> list[AsyncIterator]:
-    """One engine stream per choice, each trying the engines in the router's order for this request."""
+async def open_streams(call: Call, req, engines: list | None = None, direct: DirectBody | None = None
+                       ) -> list[AsyncIterator]:
+    """One engine stream per choice, each trying the engines in the router's order for this request. `direct`: the
+    streamed response's fast path (one choice only)."""
     gw, plan, principal = call.gw, call.plan, call.principal
     if engines is None:
         engines = await gw.registry.engines(call.resolved.base.name)
@@ -263,11 +266,13 @@ async def open_streams(call: Call, req, engines: list | None = None) -> list[Asy
         first_of_prompt.add(id(job.prompt_ids))
         rid = call.request_id if len(plan.jobs) == 1 else f"{call.request_id}.{job.index}"
         wire = _wire_request(gw, principal, req, job, adapter, rid, call.client_request_id)
-        streams.append(_choice(gw, order, wire, job.index, result, counts_prompt, coalesce=not req.stream))
+        streams.append(_choice(gw, order, wire, job.index, result, counts_prompt, coalesce=not req.stream,
+                               direct=direct if len(plan.jobs) == 1 else None))
     return streams
 
 
-async def _sse_body(call: Call, response_id: str, model: str, items: AsyncIterator) -> AsyncIterator[bytes]:
+async def _sse_body(call: Call, response_id: str, model: str, items: AsyncIterator,
+                    direct: DirectBody | None = None) -> AsyncIterator[bytes]:
     """The SSE stream; the request is settled and metered however it ends (done, failed, hung up)."""
     gw = call.gw
     outcome = ["cancelled", 499, "client_disconnected"]
@@ -278,7 +283,8 @@ async def _sse_body(call: Call, response_id: str, model: str, items: AsyncIterat
         log.warning("stream %s failed: %s", call.request_id, exc)
 
     try:
-        async for chunk in stream_sse(call.plan, response_id, model, items, on_sent=call.sent, on_error=failed):
+        async for chunk in stream_sse(call.plan, response_id, model, items, on_sent=call.sent, on_error=failed,
+                                      direct=direct):
             yield chunk
         if outcome[0] == "cancelled":
             call.delivered = True
@@ -305,8 +311,8 @@ def _wire_request(gw, principal, req, job, adapter, request_id: str, client_id: 
 
 
 def _choice(gw, order, wire: GenerateRequest, index: int, result: StreamResult, counts_prompt: bool,
-            coalesce: bool = False):
-    stream = open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic, coalesce, gw.streams)
+            coalesce: bool = False, direct: DirectBody | None = None):
+    stream = open_choice(gw.http, gw.router, order, wire, index, result, time.monotonic, coalesce, gw.streams, direct)
     if counts_prompt:
         return stream  # as it is: a wrapper would cost a hop per step per stream
 
