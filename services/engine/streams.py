@@ -24,6 +24,7 @@ from services.common.engine_wire import (
     CLAMPED,
     END,
     REFUSED,
+    STREAMS_MAX_FRAME,
     STREAMS_MAX_OPEN_BYTES,
     WIRE_HEADER,
     GenerateRequest,
@@ -31,43 +32,12 @@ from services.common.engine_wire import (
     check_wire_version,
     stream_line,
 )
+from services.common.frame_writer import FrameWriter
 from services.common.wire import FAULT_HEADER, EngineUnavailable, InvalidRequest
 
 from services.engine.http_errors import error_parts
 
 log = logging.getLogger("mplex.engine.streams")
-
-
-class _Outbox:
-    """Event lines waiting for the next frame. `put` wakes the writer; the writer runs after the tasks the same
-    step woke (they were ready first), so a step's lines leave together."""
-
-    def __init__(self, websocket: WebSocket):
-        self.ws = websocket
-        self.lines: list[bytes] = []
-        self.wake = asyncio.Event()
-        self.task = asyncio.create_task(self._run())
-
-    def put(self, line: bytes) -> None:
-        self.lines.append(line)
-        self.wake.set()
-
-    async def _run(self) -> None:
-        try:
-            while True:
-                await self.wake.wait()
-                self.wake.clear()
-                lines, self.lines = self.lines, []
-                await self.ws.send({"type": "websocket.send", "bytes": b"".join(lines)})
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- the gateway went away: the reader sees it and cancels everything
-            log.info("streams socket closed while sending (%s)", exc.__class__.__name__)
-
-    async def aclose(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
 
 
 async def serve_streams(server: Any, websocket: WebSocket) -> None:
@@ -78,7 +48,14 @@ async def serve_streams(server: Any, websocket: WebSocket) -> None:
         await websocket.close(code=1008)  # the gateway falls back to GENERATE_PATH, which says why
         return
     await websocket.accept()
-    out = _Outbox(websocket)
+
+    async def send(frame: bytes) -> None:
+        await websocket.send({"type": "websocket.send", "bytes": frame})
+
+    async def gone(exc: Exception) -> None:  # the gateway went away: the reader sees it and cancels everything
+        log.info("streams socket closed while sending (%s)", exc.__class__.__name__)
+
+    out = FrameWriter(send, gone, STREAMS_MAX_FRAME // 2)
     tasks: dict[int, asyncio.Task] = {}
     try:
         while True:
@@ -100,7 +77,7 @@ async def serve_streams(server: Any, websocket: WebSocket) -> None:
         await out.aclose()
 
 
-def _command(server: Any, line: bytes, tasks: dict[int, asyncio.Task], out: _Outbox) -> None:
+def _command(server: Any, line: bytes, tasks: dict[int, asyncio.Task], out: FrameWriter) -> None:
     try:
         cmd = _loads(line)
         sid = cmd.get("open", cmd.get("close")) if isinstance(cmd, dict) else None
@@ -124,7 +101,7 @@ def _command(server: Any, line: bytes, tasks: dict[int, asyncio.Task], out: _Out
     task.add_done_callback(lambda _: tasks.pop(sid, None))
 
 
-async def _serve(server: Any, sid: int, body, coalesce: bool, out: _Outbox) -> None:
+async def _serve(server: Any, sid: int, body, coalesce: bool, out: FrameWriter) -> None:
     try:
         req = GenerateRequest.model_validate(body)
         first, outputs, ids, clamped = await server.start(req)

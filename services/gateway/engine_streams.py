@@ -22,6 +22,7 @@ import time
 
 import aiohttp
 
+from services.common.frame_writer import FrameWriter
 from services.common.engine_wire import (
     CLAMPED,
     END,
@@ -149,11 +150,10 @@ class _Socket:
         self.loop = asyncio.get_running_loop()
         self.streams: dict[int, EngineStream] = {}
         self.ids = itertools.count()
-        self.out: list[bytes] = []
-        self.wake = asyncio.Event()
         self.alive = True
         self.reader = asyncio.create_task(self._read())
-        self.writer = asyncio.create_task(self._write())
+        # Frames stay under half the engine's limit (one oversized line goes alone).
+        self.writer = FrameWriter(ws.send_bytes, self._send_failed, STREAMS_MAX_FRAME // 2)
 
     def open(self, command) -> EngineStream:
         """`command(sid)`: the open command's bytes for the new stream's id."""
@@ -165,30 +165,11 @@ class _Socket:
         return stream
 
     def send(self, line: bytes) -> None:
-        self.out.append(line)
-        self.wake.set()
+        self.writer.put(line)
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self.wake.wait()
-                self.wake.clear()
-                lines, self.out = self.out, []
-                frame: list[bytes] = []
-                size = 0
-                for line in lines:  # frames stay under half the engine's limit (one oversized line goes alone)
-                    if frame and size + len(line) > STREAMS_MAX_FRAME // 2:
-                        await self.ws.send_bytes(b"".join(frame))
-                        frame, size = [], 0
-                    frame.append(line)
-                    size += len(line)
-                if frame:
-                    await self.ws.send_bytes(b"".join(frame))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- the socket is broken: the reader ends and fails its streams
-            log.warning("streams socket to %s failed while sending (%s)", self.url, exc.__class__.__name__)
-            await self.ws.close()
+    async def _send_failed(self, exc: Exception) -> None:  # the socket is broken: the reader ends and fails its streams
+        log.warning("streams socket to %s failed while sending (%s)", self.url, exc.__class__.__name__)
+        await self.ws.close()
 
     async def _read(self) -> None:
         try:
@@ -222,9 +203,9 @@ class _Socket:
 
     async def aclose(self) -> None:
         await self.ws.close()
-        for task in (self.reader, self.writer):
-            task.cancel()
-        await asyncio.gather(self.reader, self.writer, return_exceptions=True)
+        self.reader.cancel()
+        self.writer.cancel()
+        await asyncio.gather(self.reader, self.writer.task, return_exceptions=True)
 
 
 class StreamsPool:
