@@ -68,9 +68,10 @@ class TextStream:
 
 
 class _Request:
-    __slots__ = ("queue", "text", "done")
+    __slots__ = ("request_id", "queue", "text", "done")
 
-    def __init__(self, text: TextStream):
+    def __init__(self, request_id: str, text: TextStream):
+        self.request_id = request_id  # the caller's id (the core knows this request by its own id, see generate)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = text
         self.done = False
@@ -82,7 +83,9 @@ class CoreClient:
         self.identity = frontend_id.encode()
         self.info: EngineInfo | None = None
         self.tokenizer: TokenizerInfo | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # by the core's id of each request
+        self._core_ids: dict[str, str] = {}  # the caller's request id -> the core's id, while in flight
+        self._incarnations = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._sock: zmq.asyncio.Socket | None = None
@@ -166,12 +169,17 @@ class CoreClient:
         if not self.alive:
             raise EngineDead("the engine core is not running")
         self.validate(prompt_token_ids, params)
-        if request_id in self._requests:
+        if request_id in self._core_ids:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id", status=409)
         self._admit(tenant, weight, priority, len(prompt_token_ids))
-        req = self._requests[request_id] = _Request(TextStream(self.tokenizer, params))
+        # The core knows each request by an id of this front-end's making: a request that ended here first (a stop
+        # string) still runs in the core until the Abort arrives, and its outputs already on their way must not be
+        # taken for a new request under the same caller id (nor the new one refused as its duplicate).
+        core_id = f"{request_id}#{next(self._incarnations)}"
+        self._core_ids[request_id] = core_id
+        req = self._requests[core_id] = _Request(request_id, TextStream(self.tokenizer, params))
         spec = (adapter.content_id, adapter.name, adapter.path) if adapter is not None else None
-        self._send(Add(request_id, list(prompt_token_ids), params.to_wire(), int(priority), cache_salt, spec,
+        self._send(Add(core_id, list(prompt_token_ids), params.to_wire(), int(priority), cache_salt, spec,
                        tenant, weight))
         try:
             while True:
@@ -183,9 +191,10 @@ class CoreClient:
                 if item.finished:
                     return
         finally:
-            self._requests.pop(request_id, None)
+            self._requests.pop(core_id, None)
+            self._core_ids.pop(request_id, None)
             if not req.done and self.error is None:
-                self._send(Abort([request_id]))
+                self._send(Abort([core_id]))
 
     def _admit(self, tenant: str, weight: float, priority: Priority, prompt_len: int) -> None:
         """Refuse (EngineUnavailable, engine_overloaded) what the core's last Load says must wait for seats past
@@ -200,7 +209,9 @@ class CoreClient:
             raise
 
     def abort(self, request_id: str) -> None:
-        self._send(Abort([request_id]))
+        core_id = self._core_ids.get(request_id)
+        if core_id is not None:
+            self._send(Abort([core_id]))
 
     async def op(self, name: str, *args):
         """Run a named core operation (services.engine.core_ops) and return its result."""
@@ -282,7 +293,7 @@ class CoreClient:
         lps = None
         if d.logprobs is not None:
             lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d.logprobs[: len(tokens)]]
-        return RequestOutput(d.request_id, tokens, text, reason is not None, reason, d.num_prompt_tokens,
+        return RequestOutput(req.request_id, tokens, text, reason is not None, reason, d.num_prompt_tokens,
                              d.num_cached_tokens, d.num_output_tokens - dropped, d.compute_seconds, lps,
                              clamped_from=d.clamped_from, num_draft_tokens=d.num_draft_tokens,
                              num_accepted_tokens=d.num_accepted_tokens)

@@ -246,3 +246,30 @@ def test_a_drain_through_one_front_end_stops_admission_on_every_front_end(tiny_m
             await other.close()
 
     asyncio.run(main())
+
+
+def test_a_request_id_reused_right_after_a_stop_string_gets_only_its_own_tokens(demo_kit, prompts):
+    """A stop string ends a request on the front-end while the core is still generating it (the core hears of it
+    with the next message): a new request under the same id, sent at once, must not receive the old one's tokens
+    still on their way, nor be refused as a duplicate of it (make fuzz found both)."""
+    async def main():
+        async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
+            free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            fresh = await collect(client, "fresh", prompts[1], free)
+            first = await collect(client, "warm", prompts[0], free)
+            stop = first.new_text.split()[1][:3]
+            for attempt in range(5):
+                rid = f"reused-{attempt}"
+                old = client.generate(rid, prompts[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True,
+                                                                      stop=(stop,)))
+                async for out in old:
+                    if out.finished:
+                        break
+                await old.aclose()  # as the HTTP server closes a finished stream
+                assert out.finish_reason == "stop"
+                again = await collect(client, rid, prompts[1], free)  # same id, at once
+                assert (again.new_token_ids, again.new_text, again.finish_reason) == (
+                    fresh.new_token_ids, fresh.new_text, fresh.finish_reason)
+            assert await client.op("check_integrity")
+
+    asyncio.run(main())
