@@ -337,17 +337,29 @@ def measure(run) -> dict:
     figs["base"] = _summary(*run(w["base"], False))
     figs["adapters_4"] = _summary(*run(w["adapters_4"], True))
     figs["adapters_256"] = _summary(*run(w["adapters_256"], True))
-    held, ramp = 0.0, []
+    ramp = []
     for rate in RATES:
         s = _summary(*run(poisson(rate), True))
         ok = s["ttft_p99_s"] <= SLO_TTFT and s["tpot_p99_s"] <= SLO_TPOT
         ramp.append({"rate": rate, **s, "held": ok})
-        if not ok:
+        if len(ramp) >= 2 and not ramp[-1]["held"] and not ramp[-2]["held"]:
             break
-        held = rate
     figs["poisson_ramp"] = ramp
-    figs["poisson_rate_held"] = held
+    figs["poisson_rate_held"] = rate_held(ramp)
     return figs
+
+
+def rate_held(ramp: list[dict]) -> float:
+    """The highest rate held before two levels in a row failed: one level lost to a hiccup of this shared VM (a
+    p99 is its slowest 1%) does not end a system's ramp -- stop 46's first run failed vLLM at 8 req/s (TTFT p99
+    1.17 s) after it held 4; it had held 32 the session before. Every system is ramped by the same rule."""
+    held = 0.0
+    for i, level in enumerate(ramp):
+        if level["held"]:
+            held = level["rate"]
+        elif i + 1 < len(ramp) and not ramp[i + 1]["held"]:
+            break
+    return held
 
 
 def _inproc(model: Path, adapters: list[Path]) -> dict:
