@@ -128,10 +128,12 @@ class AsyncEngine:
         adapter: AdapterRef | None = None,
         tenant: str = "",
         weight: float = 1.0,
+        sink=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one output per step until the request finishes. Closing the iterator aborts it. Refuses at
         once (EngineUnavailable, engine_overloaded) a request that could not get its first token within its
-        class's budget here."""
+        class's budget here. `sink` (CoreClient.generate's fast path) is not taken: this in-process path, kept
+        for comparison with the split one, delivers every output through the request's queue."""
         if not self.alive:
             raise EngineDead("the engine step loop is not running")
         self.engine.validate(prompt_token_ids, params)  # raise bad input here, before anything is queued

@@ -68,13 +68,17 @@ class TextStream:
 
 
 class _Request:
-    __slots__ = ("request_id", "queue", "text", "done")
+    __slots__ = ("request_id", "queue", "text", "done", "sink", "waiting")
 
-    def __init__(self, request_id: str, text: TextStream):
+    def __init__(self, request_id: str, text: TextStream, sink=None):
         self.request_id = request_id  # the caller's id (the core knows this request by its own id, see generate)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = text
         self.done = False
+        # RequestOutput -> bool: takes a step's output while the consumer waits with nothing queued (the client
+        # response's fast path, server._sink): True if it took it, False to queue it as usual.
+        self.sink = sink
+        self.waiting = False
 
 
 class CoreClient:
@@ -164,8 +168,10 @@ class CoreClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: Priority = Priority.INTERACTIVE, cache_salt: str = "",
                        adapter: AdapterRef | None = None, tenant: str = "",
-                       weight: float = 1.0) -> AsyncIterator[RequestOutput]:
-        """One output per step until the request finishes; closing the iterator aborts it in the core."""
+                       weight: float = 1.0, sink=None) -> AsyncIterator[RequestOutput]:
+        """One output per step until the request finishes; closing the iterator aborts it in the core. `sink`
+        (RequestOutput -> bool): a step's output that arrives while this waits with nothing queued -- never the
+        last one -- is offered to it first, and not yielded here if it took it (the client's fast path)."""
         if not self.alive:
             raise EngineDead("the engine core is not running")
         self.validate(prompt_token_ids, params)
@@ -177,13 +183,17 @@ class CoreClient:
         # taken for a new request under the same caller id (nor the new one refused as its duplicate).
         core_id = f"{request_id}#{next(self._incarnations)}"
         self._core_ids[request_id] = core_id
-        req = self._requests[core_id] = _Request(request_id, TextStream(self.tokenizer, params))
+        req = self._requests[core_id] = _Request(request_id, TextStream(self.tokenizer, params), sink)
         spec = (adapter.content_id, adapter.name, adapter.path) if adapter is not None else None
         self._send(Add(core_id, list(prompt_token_ids), params.to_wire(), int(priority), cache_salt, spec,
                        tenant, weight))
         try:
             while True:
-                item = await req.queue.get()
+                req.waiting = True
+                try:
+                    item = await req.queue.get()
+                finally:
+                    req.waiting = False
                 if isinstance(item, BaseException):
                     req.done = True
                     raise item
@@ -271,6 +281,13 @@ class CoreClient:
                 req.done = True
                 if d.finish_reason is None:  # a stop string, seen here first: the core is still generating
                     stops.append(d.request_id)
+            elif req.sink is not None and req.waiting and req.queue.empty():  # in order: nothing queued before it
+                try:
+                    if req.sink(out):
+                        continue  # on its way to the client: the consumer sleeps on
+                except Exception:  # noqa: BLE001 -- a fault of this request's fast path must not reach the others
+                    log.exception("request %s: the fast path failed; its stream goes on without it", req.request_id)
+                    req.sink = None
             req.queue.put_nowait(out)
         if stops:
             self._send(Abort(stops, "stop"))

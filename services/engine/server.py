@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from pathlib import Path
@@ -30,7 +31,7 @@ from services.common.openai_protocol import (
 )
 from services.common.openai_serving import ChoiceStream, collect, merge, plan_request_async, stream_sse
 from services.common.prompting import PromptBuilder
-from services.common.streaming import ClosingStreamingResponse, install_body_send, unless_disconnected
+from services.common.streaming import ClosingStreamingResponse, DirectBody, install_body_send, unless_disconnected
 from services.common.wire import CLAMPED_HEADER, EngineUnavailable
 from services.engine.async_engine import AsyncEngine
 from services.engine.core_client import CoreClient
@@ -213,20 +214,26 @@ class EngineServer:
             self.engine.validate(job.prompt_ids, job.params)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
-        streams = [self._choice(f"{rid}-{j.index}", j.index, j.prompt_ids, j.params, req.priority_class, adapter)
-                   for j in plan.jobs]
+        # A streamed reply's fast path (DirectBody): the core's step outputs go from the front-end's dispatch
+        # straight to the connection while the response waits for them (one choice; stream_sse decides what it
+        # renders there).
+        direct = DirectBody() if req.stream and len(plan.jobs) == 1 else None
+        streams = [self._choice(f"{rid}-{j.index}", j.index, j.prompt_ids, j.params, req.priority_class, adapter,
+                                direct) for j in plan.jobs]
         items = merge(streams)
         headers = {"x-request-id": rid}
         if req.stream:
-            return ClosingStreamingResponse(stream_sse(plan, response_id, self.model_name, items),
-                                            media_type="text/event-stream", headers=headers)
+            return ClosingStreamingResponse(stream_sse(plan, response_id, self.model_name, items, direct=direct),
+                                            media_type="text/event-stream", headers=headers, direct=direct)
         body, _ = await unless_disconnected(request, collect(plan, response_id, self.model_name, items))
         return JSONResponse(body, headers=headers)
 
     def _choice(self, rid: str, index: int, prompt: list[int], params: SamplingParams, priority: Priority,
-                adapter: AdapterRef | None) -> ChoiceStream:
+                adapter: AdapterRef | None, direct: DirectBody | None = None) -> ChoiceStream:
+        sink = functools.partial(_direct_output, direct, index) if direct is not None else None
+
         async def gen():
-            async for out in self.engine.generate(rid, prompt, params, priority=priority, adapter=adapter):
+            async for out in self.engine.generate(rid, prompt, params, priority=priority, adapter=adapter, sink=sink):
                 delta = Delta(index, out.new_text, out.new_token_ids, _logprob_items(self.engine.tokenizer, out), out.finish_reason)
                 yield delta, (_usage(out) if out.finished else None)
 
@@ -305,6 +312,16 @@ class EngineServer:
                                 accepted_draft_tokens=out.num_accepted_tokens)
         return StreamItem(text=out.new_text, token_ids=out.new_token_ids, logprobs=_logprob_items(self.engine.tokenizer, out),
                           finish_reason=out.finish_reason, usage=usage)
+
+
+def _direct_output(direct: DirectBody, index: int, out: RequestOutput) -> bool:
+    """A step's output on the fast path (CoreClient's sink): sent to the client (True), or left for the stream's
+    task (False) -- the connection not writable now, no renderer (several choices, logprobs, tool calls), or
+    logprobs to render."""
+    if not direct.ready() or out.logprobs is not None:
+        return False
+    direct.offer(Delta(index, out.new_text, out.new_token_ids, None, out.finish_reason))
+    return True
 
 
 def _logprob_items(tok, out: RequestOutput) -> list[dict[str, Any]] | None:

@@ -3,6 +3,7 @@ and client disconnects that free the sequence's KV blocks; its platform credenti
 probes (with a rotation token); adapter files only from the object store or the engine's cache."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -111,6 +112,46 @@ def test_streaming_chat_with_usage(client, demo_kit):
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens > 0
     assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_many_concurrent_streams_are_the_non_streamed_answers_chunk_by_chunk(server, demo_kit):
+    """Streamed replies take the fast path (the front-end's dispatch writes each step's chunk to the connection
+    while the response waits): 48 concurrent streams through the real OpenAI SDK -- completions and chat, with
+    and without a stop string -- carry exactly the non-streamed answers' text, one well-formed chunk per event,
+    the finish reason last and the usage after it."""
+    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=TOKEN, max_retries=0)
+    words = ["Hello", "What is the capital of France?", "Count to five.", "Name three colours.", "Repeat: red blue"]
+    cases = []
+    for i in range(48):
+        kw = {"model": demo_kit.model_name, "max_tokens": 24 + i % 9, "temperature": 0}
+        if i % 3 == 2:
+            kw["stop"] = [" the", "."]
+        if i % 2:
+            cases.append(("chat", {**kw, "messages": [{"role": "user", "content": words[i % len(words)]}]}))
+        else:
+            cases.append(("completion", {**kw, "prompt": words[i % len(words)] + f" {i}", "extra_body": {"ignore_eos": i % 4 == 0}}))
+
+    async def one(kind, kw):
+        api = aclient.chat.completions if kind == "chat" else aclient.completions
+        full = await api.create(**kw)
+        chunks = [c async for c in await api.create(**kw, stream=True, stream_options={"include_usage": True})]
+        pieces = [c.choices[0].delta.content if kind == "chat" else c.choices[0].text for c in chunks if c.choices]
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        expected = full.choices[0].message.content if kind == "chat" else full.choices[0].text
+        assert "".join(p or "" for p in pieces) == expected
+        assert reasons[-1] == full.choices[0].finish_reason and not any(reasons[:-1])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        return len(chunks)
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(kind, kw) for kind, kw in cases))
+        finally:
+            await aclient.close()
+
+    counts = asyncio.run(main())
+    assert sum(counts) > 48 * 10  # a chunk a step, not one at the end
+    _wait_idle(server)
 
 
 def test_completions_and_n_choices(client, demo_kit):

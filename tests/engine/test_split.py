@@ -273,3 +273,57 @@ def test_a_request_id_reused_right_after_a_stop_string_gets_only_its_own_tokens(
             assert await client.op("check_integrity")
 
     asyncio.run(main())
+
+
+def test_a_sink_takes_steps_in_order_never_the_last_and_a_failing_one_loses_nothing(demo_kit, prompts):
+    """CoreClient.generate's `sink` (the client response's fast path): a step's output offered to it while the
+    consumer waits with nothing queued is not yielded again if it took it, so sink and consumer together see every
+    step once, in order; the last output always reaches the consumer; a sink that declines leaves the output to
+    the consumer, and one that raises is dropped for that request only -- its stream goes on, nothing lost."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def run(client, rid, prompt, sink_kind):
+        seen: list[tuple[str, list[int], bool]] = []
+        calls = 0
+
+        def sink(out):
+            nonlocal calls
+            calls += 1
+            if sink_kind == "raises" and calls == 3:
+                raise RuntimeError("a broken fast path")
+            if sink_kind == "declines" or (sink_kind == "alternates" and calls % 2):
+                return False
+            seen.append(("sink", out.new_token_ids, out.finished))
+            return True
+
+        async for out in client.generate(rid, prompt, params, sink=None if sink_kind == "none" else sink):
+            seen.append(("consumer", out.new_token_ids, out.finished))
+            await asyncio.sleep(0)  # the consumer is busy now and then: outputs queue meanwhile
+        return seen, calls
+
+    async def main():
+        async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
+            results = {}
+            for kind in ("none", "takes", "alternates", "declines", "raises"):
+                runs = await asyncio.gather(*(run(client, f"{kind}{i}", p, kind) for i, p in enumerate(prompts[:4])))
+                results[kind] = runs
+            assert await client.op("num_in_flight") == 0 and await client.op("check_integrity")
+            return results
+
+    results = asyncio.run(main())
+    expected = [[t for _, ids, _ in seen for t in ids] for seen, _ in results["none"]]
+    assert all(len(e) == 24 for e in expected)
+    for kind, runs in results.items():
+        for (seen, calls), tokens in zip(runs, expected):
+            assert [t for _, ids, _ in seen for t in ids] == tokens, kind  # every step once, in order
+            assert seen[-1][0] == "consumer" and seen[-1][2], kind  # the last output: to the consumer
+            assert not any(finished for who, _, finished in seen if who == "sink"), kind
+            taken = sum(who == "sink" for who, _, _ in seen)
+            if kind == "none":
+                assert calls == 0
+            elif kind == "takes":
+                assert taken >= 12, "the sink should get most steps of an idle consumer"
+            elif kind == "declines":
+                assert calls > 0 and taken == 0
+            elif kind == "raises":
+                assert calls == 3 and taken == 2  # dropped after its fault: the rest went to the consumer
