@@ -112,3 +112,43 @@ def test_the_passes_refuse_misshapen_operands(lib):
     with pytest.raises(ValueError, match="k_cache"):
         lib.rope_write_kv(torch.randn(3, 32), 2, 1, 8, torch.zeros(3, dtype=torch.int64), rope.cos, rope.sin_signed,
                           torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(3, dtype=torch.int64), 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 70), inter=st.integers(1, 90), pad=st.sampled_from([0, 5]),
+       scale=st.sampled_from([1e-3, 1.0, 30.0, 1e3]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_silu_mul_is_torchs_silu_times_up(lib, n, inter, pad, scale, threads, seed):
+    """silu(gate) * up of the gate-up projection's output [T, 2I] (gate then up), also a column window of a wider
+    tensor: torch's F.silu(gate).mul_(up) to a few ulps (its exp is its own), float64's within the same; the operand
+    is not written."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = _wide(n, 2 * inter, pad, gen, scale)
+    before = gate_up.clone()
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate).mul_(up)
+    got = lib.silu_mul(gate_up, threads)
+    assert got.shape == (n, inter) and got.is_contiguous() and torch.equal(gate_up, before)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
+    exact = torch.nn.functional.silu(gate.double()) * up.double()
+    torch.testing.assert_close(got.double(), exact, rtol=6e-7, atol=1e-30)
+
+
+def test_silu_mul_at_the_extremes(lib):
+    """Zeros, both signs' large magnitudes, infinities and NaN as torch gives them -- below -87 the exp is clamped to
+    0, so silu is 0 where torch's is under 1e-35 in magnitude (-88 e^-88 = -5e-37)."""
+    gate = torch.tensor([[0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 100.0, -100.0, 1e30, float("inf"),
+                          float("nan")]])
+    up = torch.ones_like(gate)
+    got = lib.silu_mul(torch.cat([gate, up], 1), 1)
+    want = torch.nn.functional.silu(gate)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-35, equal_nan=True)
+    assert got[0, 7] == 0 and got[0, 9] == 0
+
+
+def test_silu_mul_refuses_misshapen_operands(lib):
+    with pytest.raises(ValueError, match="even width"):
+        lib.silu_mul(torch.randn(2, 7), 1)
+    with pytest.raises(ValueError, match="gate_up must"):
+        lib.silu_mul(torch.randn(8, 2).t(), 1)
+    with pytest.raises(ValueError, match="gate_up must"):
+        lib.silu_mul(torch.randn(2, 8, dtype=torch.float64), 1)
