@@ -53,7 +53,7 @@
 enum { OK = 0, BAD_SHAPE = 1, BAD_ROW = 2, BAD_CONTEXT = 3, BAD_BLOCK = 4, TOO_LARGE = 5, BAD_SLOT = 6,
        BLOCK_TWICE = 7, NO_MEMORY = 8 };
 
-int mplex_attn_abi_version(void) { return 4; }
+int mplex_attn_abi_version(void) { return 3; }
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
@@ -876,40 +876,6 @@ int mplex_rope_write_kv(float *qkv, int64_t ld, int64_t n_tokens, int64_t num_he
         for (int64_t i = 0; i < kv_heads * D; i++) {
             kd[i] = fabsf(ks[i]) <= limit ? ks[i] : 0.0f;
             vd[i] = fabsf(vs[i]) <= limit ? vs[i] : 0.0f;
-        }
-    }
-    return OK;
-}
-
-/* down's input in one pass: out[t, i] = silu(gu[t, i]) * gu[t, I + i] for the gate-up projection's output gu
-   [T, 2I] (rows ldg apart; gate then up, as the fused weight is laid out) into out [T, I] (rows ldo apart).
-   silu(x) = x / (1 + exp(-x)) as torch computes it for x >= 0, and x e^x / (1 + e^x) below (the same value, from
-   an exp that never overflows); rounded as F.silu(gate).mul_(up) rounds (silu, then the product); exp within
-   ~1e-7 of libm's. */
-static inline vf8 silu8(vf8 x)
-{
-    const vi8 neg = x < splat8(0.0f);
-    const vf8 e = exp8_nonpos(select8(neg, x, -x));
-    return select8(neg, x * e, x) / (splat8(1.0f) + e);
-}
-
-int mplex_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t n_rows, int64_t I, int64_t nthreads)
-{
-    if (n_rows < 0 || I <= 0 || ldg < 2 * I || ldo < I)
-        return BAD_SHAPE;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_rows * I >= 32768)
-    for (int64_t t = 0; t < n_rows; t++) {
-        const float *g = gu + t * ldg, *u = g + I;
-        float *o = out + t * ldo;
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8)
-            store8(o + i, silu8(load8(g + i)) * load8(u + i));
-        if (i < I) { /* the row's last I % 8: through a padded vector */
-            float gx[8] = {0}, ux[8] = {0}, ox[8];
-            memcpy(gx, g + i, sizeof(float) * (size_t)(I - i));
-            memcpy(ux, u + i, sizeof(float) * (size_t)(I - i));
-            store8(ox, silu8(load8(gx)) * load8(ux));
-            memcpy(o + i, ox, sizeof(float) * (size_t)(I - i));
         }
     }
     return OK;

@@ -21,7 +21,7 @@ from services.engine.kernels.native_build import NativeKernelUnavailable, librar
 from services.engine.model.attention import KV_LIMIT
 
 SOURCE = Path(__file__).with_name("attention_cpu_native.c")
-ABI_VERSION = 4
+ABI_VERSION = 3
 # The C source's stack buffers: query heads per kv head, head width, block size.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
@@ -64,10 +64,7 @@ class NativeAttention:
         rope = lib.mplex_rope_write_kv
         rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_float, i64]
         rope.restype = ctypes.c_int
-        silu = lib.mplex_silu_mul
-        silu.argtypes = [ptr, i64, ptr, i64, i64, i64, i64]
-        silu.restype = ctypes.c_int
-        self._norm, self._rope, self._silu = norm, rope, silu
+        self._norm, self._rope = norm, rope
         self._lib = lib
 
     @staticmethod
@@ -188,20 +185,6 @@ class NativeAttention:
                         slot_mapping.data_ptr(), KV_LIMIT, num_threads)
         if rc:
             raise ValueError(f"native RoPE / KV write refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
-
-
-    def silu_mul(self, gate_up: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """silu(gate) * up into a new [T, I] tensor, for gate_up [T, 2I] = [gate | up] (the fused projection's
-        output; fp32, unit inner stride): F.silu(gate).mul_(up) in one pass, the same roundings, exp within ~1e-7."""
-        _rows(gate_up, "gate_up")
-        if gate_up.shape[1] % 2:
-            raise ValueError(f"gate_up must have an even width [T, 2I], got {tuple(gate_up.shape)}")
-        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.float32)
-        rc = self._silu(gate_up.data_ptr(), _ld(gate_up), out.data_ptr(), _ld(out), gate_up.shape[0], out.shape[1],
-                        num_threads)
-        if rc:
-            raise ValueError(f"native SiLU-and-multiply refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
-        return out
 
 
 def _ld(t: torch.Tensor) -> int:

@@ -144,7 +144,7 @@ class LlamaModel:
                 a = paged_attention(qkv[:, : cfg.q_size].view(-1, nh, hd), None, None, cache, attn,
                                     self.scale).view(-1, cfg.q_size)
             x = ops.add_rms_norm(h, self.reduce(self._project(i, "o", layer.o, a, lora)), layer.post_norm, eps, nt)
-            delta = self.reduce(self._mlp(i, layer, x, lora, ops, nt))
+            delta = self.reduce(self._mlp(i, layer, x, lora))
         return ops.add_rms_norm(h, delta, self.norm, eps, nt)
 
     @staticmethod
@@ -166,17 +166,10 @@ class LlamaModel:
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         return paged_attention(q, k, v.contiguous(), cache, attn, self.scale).view(-1, cfg.q_size)
 
-    def _mlp(self, i: int, layer: DecoderLayer, x: torch.Tensor, lora: LoraHook | None,
-             ops: ElementwiseOps | None = None, num_threads: int = 1) -> torch.Tensor:
-        """down(silu(gate) * up) of layer i (LoRA deltas included), before the tensor-parallel reduce; with `ops`,
-        silu(gate) * up in one native pass."""
-        gate_up = self._project(i, "gate_up", layer.gate_up, x, lora)
-        if ops is not None:
-            act = ops.silu_mul(gate_up, num_threads)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
-        return self._project(i, "down", layer.down, act, lora)
+    def _mlp(self, i: int, layer: DecoderLayer, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
+        """down(silu(gate) * up) of layer i (LoRA deltas included), before the tensor-parallel reduce."""
+        gate, up = self._project(i, "gate_up", layer.gate_up, x, lora).chunk(2, dim=-1)
+        return self._project(i, "down", layer.down, F.silu(gate).mul_(up), lora)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, Fp8Weight):
