@@ -76,7 +76,7 @@ class _Request:
         self.text = text
         self.done = False
         # RequestOutput -> bool: takes a step's output while the consumer waits with nothing queued (the client
-        # response's fast path, server._sink): True if it took it, False to queue it as usual.
+        # response's fast path, server._direct_output): True if it took it, False to queue it as usual.
         self.sink = sink
         self.waiting = False
 
