@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+
+log = logging.getLogger("mplex.streaming")
+
 
 async def unless_disconnected(request: Request, coro):
     """Run a non-streaming generation; if the client hangs up, cancel it (which aborts it upstream) and
@@ -94,6 +98,40 @@ class DirectBody:
         chunk = self.render(delta)
         if chunk is not None:
             self.writer.write(chunk)
+
+
+class Handoff:
+    """A stream's items on their way to the one task that consumes them, with the fast path past that task: while
+    the consumer waits with nothing queued, `put` offers an item to `sink` first (item -> bool: True if it sent
+    the item itself -- a DirectBody's offer --, False to leave it to the consumer). Items keep their order: one is
+    offered only when none is queued before it, and the consumer is the only other way out. A sink that raises is
+    dropped for this stream only (logged); the item and the ones after it go to the consumer."""
+
+    __slots__ = ("_queue", "_waiting", "sink", "name")
+
+    def __init__(self, sink=None, name: str = ""):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._waiting = False
+        self.sink = sink
+        self.name = name  # for the log
+
+    def put(self, item, offer: bool = True) -> None:
+        """Queue `item` for the consumer, or with `offer` hand it to the sink if the consumer waits on nothing."""
+        if offer and self.sink is not None and self._waiting and self._queue.empty():
+            try:
+                if self.sink(item):
+                    return  # sent: the consumer sleeps on
+            except Exception:  # noqa: BLE001 -- a fault of this stream's fast path must not reach the others
+                log.exception("%s: the fast path failed; the stream goes on without it", self.name)
+                self.sink = None
+        self._queue.put_nowait(item)
+
+    async def get(self):
+        self._waiting = True
+        try:
+            return await self._queue.get()
+        finally:
+            self._waiting = False
 
 
 # The server's own `send`, put in the scope by `install_body_send` (outside every middleware).

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from services.common.streaming import Handoff
 from services.common.wire import EngineUnavailable, InvalidRequest
 from services.engine.core_ops import BLOCKING_OPS, OPS, engine_info
 from services.engine.core_protocol import EngineInfo
@@ -62,7 +63,7 @@ class AsyncEngine:
         self.on_death = on_death  # called (on the loop thread) if the step loop stops for good
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = engine.wake
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Handoff] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -132,8 +133,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields one output per step until the request finishes. Closing the iterator aborts it. Refuses at
         once (EngineUnavailable, engine_overloaded) a request that could not get its first token within its
-        class's budget here. `sink` (CoreClient.generate's fast path) is not taken: this in-process path, kept
-        for comparison with the split one, delivers every output through the request's queue."""
+        class's budget here. `sink` (output -> bool): a step's output that arrives while this waits with nothing
+        queued -- never the last one, nor an error -- is offered to it first, and not yielded here if it took it
+        (the client's fast path, as CoreClient.generate's)."""
         if not self.alive:
             raise EngineDead("the engine step loop is not running")
         self.engine.validate(prompt_token_ids, params)  # raise bad input here, before anything is queued
@@ -144,8 +146,7 @@ class AsyncEngine:
             raise
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id", status=409)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
+        q = self._queues[request_id] = Handoff(sink, f"request {request_id}")
         self._send(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt, adapter, tenant, weight))
         finished = False
         try:
@@ -252,12 +253,12 @@ class AsyncEngine:
         for out in outputs:
             q = self._queues.get(out.request_id)
             if q is not None:
-                q.put_nowait(out)
+                q.put(out, offer=not out.finished and out.error is None)
 
     def _dispatch_one(self, request_id: str, item) -> None:
         q = self._queues.get(request_id)
         if q is not None:
-            q.put_nowait(item)
+            q.put(item, offer=False)
 
     def _fail_all(self, error: BaseException) -> None:
         if self._loop is None:
@@ -265,7 +266,7 @@ class AsyncEngine:
 
         def fail() -> None:
             for q in self._queues.values():
-                q.put_nowait(_Failure(error))
+                q.put(_Failure(error), offer=False)
 
         self._loop.call_soon_threadsafe(fail)
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from services.common.streaming import Handoff
 from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
 from services.engine.admission import LoadTracker
 from services.engine.async_engine import EngineDead
@@ -68,17 +69,14 @@ class TextStream:
 
 
 class _Request:
-    __slots__ = ("request_id", "queue", "text", "done", "sink", "waiting")
+    __slots__ = ("request_id", "items", "text", "done")
 
     def __init__(self, request_id: str, text: TextStream, sink=None):
         self.request_id = request_id  # the caller's id (the core knows this request by its own id, see generate)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # Its outputs, and the client response's fast path past its consumer (server._direct_output).
+        self.items = Handoff(sink, f"request {request_id}")
         self.text = text
         self.done = False
-        # RequestOutput -> bool: takes a step's output while the consumer waits with nothing queued (the client
-        # response's fast path, server._direct_output): True if it took it, False to queue it as usual.
-        self.sink = sink
-        self.waiting = False
 
 
 class CoreClient:
@@ -146,7 +144,7 @@ class CoreClient:
         for req in self._requests.values():  # in the core's hands when it died: not retried elsewhere
             if not req.done:
                 req.done = True
-                req.queue.put_nowait(lost)
+                req.items.put(lost, offer=False)
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(self.error)
@@ -189,11 +187,7 @@ class CoreClient:
                        tenant, weight))
         try:
             while True:
-                req.waiting = True
-                try:
-                    item = await req.queue.get()
-                finally:
-                    req.waiting = False
+                item = await req.items.get()
                 if isinstance(item, BaseException):
                     req.done = True
                     raise item
@@ -274,21 +268,14 @@ class CoreClient:
                 continue
             if d.error is not None:
                 req.done = True
-                req.queue.put_nowait(d.error.to_exception())
+                req.items.put(d.error.to_exception(), offer=False)
                 continue
             out = self._output(req, d)
             if out.finished:
                 req.done = True
                 if d.finish_reason is None:  # a stop string, seen here first: the core is still generating
                     stops.append(d.request_id)
-            elif req.sink is not None and req.waiting and req.queue.empty():  # in order: nothing queued before it
-                try:
-                    if req.sink(out):
-                        continue  # on its way to the client: the consumer sleeps on
-                except Exception:  # noqa: BLE001 -- a fault of this request's fast path must not reach the others
-                    log.exception("request %s: the fast path failed; its stream goes on without it", req.request_id)
-                    req.sink = None
-            req.queue.put_nowait(out)
+            req.items.put(out, offer=not out.finished)  # the last output always reaches the consumer
         if stops:
             self._send(Abort(stops, "stop"))
 

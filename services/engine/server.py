@@ -315,10 +315,10 @@ class EngineServer:
 
 
 def _direct_output(direct: DirectBody, index: int, out: RequestOutput) -> bool:
-    """A step's output on the fast path (CoreClient's sink): sent to the client (True), or left for the stream's
-    task (False) -- the connection not writable now, no renderer (several choices, logprobs, tool calls), or
-    logprobs to render."""
-    if not direct.ready() or out.logprobs is not None:
+    """A step's output on the fast path (generate's sink): sent to the client (True), or left for the stream's
+    task (False) -- the connection not writable now, or no renderer (several choices, logprobs, tool calls:
+    stream_sse sets none for those)."""
+    if not direct.ready():
         return False
     direct.offer(Delta(index, out.new_text, out.new_token_ids, None, out.finish_reason))
     return True

@@ -15,6 +15,7 @@ import pytest
 from services.common.cpu_priority import autogroup_enabled
 from services.common.prompting import PromptBuilder
 from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
+from services.engine.async_engine import AsyncEngine
 from services.engine.core_client import CoreClient
 from services.engine.sequence import SamplingParams
 from tests.common.test_cpu_priority import autogroup_nice
@@ -275,11 +276,13 @@ def test_a_request_id_reused_right_after_a_stop_string_gets_only_its_own_tokens(
     asyncio.run(main())
 
 
-def test_a_sink_takes_steps_in_order_never_the_last_and_a_failing_one_loses_nothing(demo_kit, prompts):
-    """CoreClient.generate's `sink` (the client response's fast path): a step's output offered to it while the
-    consumer waits with nothing queued is not yielded again if it took it, so sink and consumer together see every
-    step once, in order; the last output always reaches the consumer; a sink that declines leaves the output to
-    the consumer, and one that raises is dropped for that request only -- its stream goes on, nothing lost."""
+@pytest.mark.parametrize("where", ["split", "in_process"])
+def test_a_sink_takes_steps_in_order_never_the_last_and_a_failing_one_loses_nothing(demo_kit, prompts, where):
+    """`generate`'s `sink` (the client response's fast path), on the split path (CoreClient) and in-process
+    (AsyncEngine): a step's output offered to it while the consumer waits with nothing queued is not yielded again
+    if it took it, so sink and consumer together see every step once, in order; the last output always reaches the
+    consumer; a sink that declines leaves the output to the consumer, and one that raises is dropped for that
+    request only -- its stream goes on, nothing lost."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
     async def run(client, rid, prompt, sink_kind):
@@ -301,14 +304,23 @@ def test_a_sink_takes_steps_in_order_never_the_last_and_a_failing_one_loses_noth
             await asyncio.sleep(0)  # the consumer is busy now and then: outputs queue meanwhile
         return seen, calls
 
+    async def serve(client):
+        results = {}
+        for kind in ("none", "takes", "alternates", "declines", "raises"):
+            results[kind] = await asyncio.gather(*(run(client, f"{kind}{i}", p, kind) for i, p in enumerate(prompts[:4])))
+        assert await client.op("num_in_flight") == 0 and await client.op("check_integrity")
+        return results
+
     async def main():
-        async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
-            results = {}
-            for kind in ("none", "takes", "alternates", "declines", "raises"):
-                runs = await asyncio.gather(*(run(client, f"{kind}{i}", p, kind) for i, p in enumerate(prompts[:4])))
-                results[kind] = runs
-            assert await client.op("num_in_flight") == 0 and await client.op("check_integrity")
-            return results
+        if where == "split":
+            async with split_engine(make_config(demo_kit.base_dir)) as (client, _):
+                return await serve(client)
+        engine = AsyncEngine(make_engine(demo_kit.base_dir))
+        await engine.open()
+        try:
+            return await serve(engine)
+        finally:
+            await engine.close()
 
     results = asyncio.run(main())
     expected = [[t for _, ids, _ in seen for t in ids] for seen, _ in results["none"]]

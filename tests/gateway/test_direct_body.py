@@ -13,40 +13,39 @@ import pytest
 import uvicorn
 
 from services.common.http_limits import http_protocol
-from services.common.streaming import DIRECT_WRITE, ClosingStreamingResponse, DirectBody, ConnectionWriter
+from services.common.streaming import DIRECT_WRITE, ClosingStreamingResponse, ConnectionWriter, DirectBody, Handoff
 
 
 class _Producer:
-    """Feeds one response: each item is offered to the fast path when it is ready and the body is waiting with
-    nothing queued (as the engine streams socket's dispatch does), else queued for the body's task."""
+    """Feeds one response through a Handoff (as the engine front-end's dispatch feeds a request's stream): each item
+    goes to the fast path when it is ready and the body is waiting with nothing queued, else to the body's task."""
 
     def __init__(self, direct: DirectBody):
         self.direct = direct
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.waiting = False
+        self.items = Handoff(self._sink, "test response")
         self.direct_sent = self.queued = 0
         self.writers: list[ConnectionWriter] = []
 
+    def _sink(self, chunk: bytes) -> bool:
+        if not self.direct.ready():
+            return False
+        self.direct.offer(chunk)
+        self.direct_sent += 1
+        return True
+
     async def body(self):
-        while True:
-            self.waiting = True
-            try:
-                item = await self.queue.get()
-            finally:
-                self.waiting = False
-            if item is None:
-                return
+        while (item := await self.items.get()) is not None:
             yield item
 
     def put(self, chunk: bytes, allow_direct: bool = True) -> None:
         if self.direct.writer is not None and self.direct.writer not in self.writers:
             self.writers.append(self.direct.writer)
-        if allow_direct and self.waiting and self.queue.empty() and self.direct.ready():
-            self.direct.offer(chunk)
-            self.direct_sent += 1
-        else:
-            self.queue.put_nowait(chunk)
-            self.queued += 1
+        sent = self.direct_sent
+        self.items.put(chunk, offer=allow_direct)
+        self.queued += self.direct_sent == sent
+
+    def end(self) -> None:
+        self.items.put(None, offer=False)
 
 
 def _serve(run):
@@ -92,7 +91,7 @@ async def _steps(p: _Producer) -> None:
     for i in range(200):
         p.put(b"%d\n" % i, allow_direct=i % 7 != 3)  # some through the queue while the fast path is open
         await asyncio.sleep(0.001 if i % 5 else 0)
-    p.queue.put_nowait(None)
+    p.end()
 
 
 async def _big(p: _Producer) -> None:
@@ -100,7 +99,7 @@ async def _big(p: _Producer) -> None:
     for i in range(40):
         p.put(b"%06d" % i + b"x" * (256 * 1024 - 7) + b"\n")
         await asyncio.sleep(0.005)
-    p.queue.put_nowait(None)
+    p.end()
 
 
 async def _until_gone(p: _Producer) -> None:
@@ -114,7 +113,7 @@ async def _until_gone(p: _Producer) -> None:
         await asyncio.sleep(0.002)
     else:
         raise AssertionError("the fast path never noticed the client hung up")
-    p.queue.put_nowait(None)
+    p.end()
 
 
 FEEDS = {"steps": _steps, "big": _big, "gone": _until_gone}

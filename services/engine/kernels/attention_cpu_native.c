@@ -377,6 +377,20 @@ static inline float hmax8(vf8 v)
     return v[0];
 }
 
+/* Ask for one kv head's key and value rows of block `blk` (rows `row` floats apart), into L2: 64 L1 prefetches
+   at once were more than the core has miss buffers for (see the top of this file). */
+static inline __attribute__((always_inline)) void
+prefetch_block(const float *k_cache, const float *v_cache, int64_t blk, int64_t block_size, int64_t row, int64_t kvh,
+               const int D)
+{
+    const float *kn = k_cache + blk * block_size * row + kvh * D, *vn = v_cache + blk * block_size * row + kvh * D;
+    for (int64_t t = 0; t < block_size; t++)
+        for (int c = 0; c < D; c += 16) {
+            __builtin_prefetch(kn + t * row + c, 0, 1);
+            __builtin_prefetch(vn + t * row + c, 0, 1);
+        }
+}
+
 #define REG_TILE 16
 static inline __attribute__((always_inline)) void
 attend_regs(const float *restrict q, float *restrict out, const float *restrict k_cache,
@@ -411,15 +425,8 @@ attend_regs(const float *restrict q, float *restrict out, const float *restrict 
         const int nv = (n + 7) / 8; /* score vectors of the tile */
         if (j0 == lo || off == 0) { /* a block begins: ask for the next one's rows of this kv head */
             const int64_t nxt = j0 / block_size + 1;
-            if (nxt * block_size < ctx) {
-                const float *kn = k_cache + table[nxt] * block_size * row + kvh * D;
-                const float *vn = v_cache + table[nxt] * block_size * row + kvh * D;
-                for (int64_t t = 0; t < block_size; t++)
-                    for (int c = 0; c < D; c += 16) {
-                        __builtin_prefetch(kn + t * row + c, 0, 1);
-                        __builtin_prefetch(vn + t * row + c, 0, 1);
-                    }
-            }
+            if (nxt * block_size < ctx)
+                prefetch_block(k_cache, v_cache, table[nxt], block_size, row, kvh, D);
         }
 
         int t8 = 0;
@@ -605,17 +612,10 @@ int mplex_paged_decode_attention(const float *q, int64_t ldq, float *out, int64_
         const float *qb = q + rows[b] * ldq + kvh * G * D;
         float *ob = out + rows[b] * ldo + kvh * G * D;
         if (it + 1 < n_items) { /* the next item's first block, while this one runs */
-            const int64_t b1 = (it + 1) / kv_heads, kvh1 = (it + 1) % kv_heads;
+            const int64_t b1 = (it + 1) / kv_heads;
             const int64_t lo1 = window > 0 && ctx_lens[b1] > window ? ctx_lens[b1] - window : 0;
-            const int64_t blk1 = tables[b1 * width + lo1 / block_size];
-            const int64_t row1 = kv_heads * D;
-            const float *kn = k_cache + blk1 * block_size * row1 + kvh1 * D;
-            const float *vn = v_cache + blk1 * block_size * row1 + kvh1 * D;
-            for (int64_t t = 0; t < block_size; t++)
-                for (int c = 0; c < D; c += 16) {
-                    __builtin_prefetch(kn + t * row1 + c, 0, 1);
-                    __builtin_prefetch(vn + t * row1 + c, 0, 1);
-                }
+            prefetch_block(k_cache, v_cache, tables[b1 * width + lo1 / block_size], block_size, kv_heads * D,
+                           (it + 1) % kv_heads, D);
         }
         if (!attend_regs_any(qb, ob, k_cache, v_cache, tables + b * width, lo, ctx, block_size, kv_heads, kvh, G,
                              D, scale))
