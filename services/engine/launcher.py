@@ -60,15 +60,28 @@ def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
+# How long (libgomp spin iterations, ~20 ns each here) the core's idle OpenMP threads spin before they sleep.
+CORE_OMP_SPINCOUNT = 5000
+
+
+def core_wait_policy(env) -> None:
+    """How the core's OpenMP team waits between parallel regions; spawned children inherit it, and an operator's
+    own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. Not a long spin (libgomp's default spins ~300k iterations,
+    milliseconds): the spinning threads would take the CPU the front-ends need while the core runs its step's
+    Python. Not PASSIVE either: a thread asleep between two of a forward's parallel regions (tens of
+    microseconds apart) wakes late for every one -- a 256-row step ran one thread alone for a quarter of its time
+    (perf sched). A ~0.1 ms spin covers the gaps inside a forward and sleeps through the step's Python: the core's
+    cold burst 8-12% faster than PASSIVE in process, the split path's 3-4% over HTTP (docs/engine.md)."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = str(CORE_OMP_SPINCOUNT)
+
+
 def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends: int, core_threads: int,
           core_nice: int = 0) -> int:
     """Start the core and the front-ends and supervise them; returns the exit status."""
     from services.engine.core_process import run_core
 
-    # The core's OpenMP team must not spin on the cores between parallel regions: the spinning threads take the
-    # CPU the front-ends need to encode the step's outputs (measured: about twice the HTTP throughput on 2 cores,
-    # docs/engine.md). Spawned children inherit it; an operator's own setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    core_wait_policy(os.environ)
     ctx = multiprocessing.get_context("spawn")
     run_dir = tempfile.mkdtemp(prefix="mplex-engine-")
     spec = _with_address(spec, f"ipc://{run_dir}/core.sock")

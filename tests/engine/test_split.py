@@ -17,6 +17,7 @@ from services.common.prompting import PromptBuilder
 from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
 from services.engine.async_engine import AsyncEngine
 from services.engine.core_client import CoreClient
+from services.engine.launcher import CORE_OMP_SPINCOUNT, core_wait_policy
 from services.engine.sequence import SamplingParams
 from tests.common.test_cpu_priority import autogroup_nice
 from tests.engine.conftest import collect, make_config, make_engine, split_engine
@@ -192,6 +193,10 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
         assert os.getpriority(os.PRIO_PROCESS, core) == max(ours, 5) and os.sched_getscheduler(core) == os.SCHED_BATCH
         assert all(os.getpriority(os.PRIO_PROCESS, int(t)) == max(ours, 5) for t in os.listdir(f"/proc/{core}/task"))
         assert os.getpriority(os.PRIO_PROCESS, frontend) == ours and os.sched_getscheduler(frontend) == os.SCHED_OTHER
+        # Its OpenMP team spins briefly between parallel regions, then sleeps (launcher.core_wait_policy).
+        core_env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{core}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+            assert core_env.get(b"GOMP_SPINCOUNT") == str(CORE_OMP_SPINCOUNT).encode()
         if autogroup_enabled():  # the kernel shares the CPU by session first: the core's is its own, niced
             assert os.getsid(core) == core and autogroup_nice(core) == 5
             assert os.getsid(frontend) != core and autogroup_nice(frontend) == autogroup_nice(os.getpid())
@@ -204,6 +209,13 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("operator", [{}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}])
+def test_the_cores_openmp_wait_is_a_short_spin_unless_the_operator_chose(operator):
+    env = dict(operator)
+    core_wait_policy(env)
+    assert env == (operator or {"GOMP_SPINCOUNT": str(CORE_OMP_SPINCOUNT)})
 
 
 def _pids(log) -> tuple[int, int]:
