@@ -69,9 +69,9 @@ def core_wait_policy(env) -> None:
     own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. Not a long spin (libgomp's default spins ~300k iterations,
     milliseconds): the spinning threads would take the CPU the front-ends need while the core runs its step's
     Python. Not PASSIVE either: a thread asleep between two of a forward's parallel regions (tens of
-    microseconds apart) wakes late for every one -- in a 256-stream burst the main thread ran alone a quarter of the time
-    (perf sched). A ~0.1 ms spin covers the gaps inside a forward and sleeps through the step's Python: the core's
-    loop 2.44-2.81 -> 2.22-2.36 s on a cold burst, ~3% over HTTP (docs/engine.md)."""
+    microseconds apart) wakes late for every one -- in a 256-stream burst the main thread ran alone a quarter of
+    the time (perf sched). A ~0.1 ms spin covers the gaps inside a forward and sleeps through the step's Python: the
+    core's loop 2.44-2.81 -> 2.22-2.36 s on a cold burst, ~3% over HTTP (docs/engine.md)."""
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = str(CORE_OMP_SPINCOUNT)
 

@@ -167,10 +167,12 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "engine.log", "wb")
+    # No operator's OpenMP wait setting: the launcher's own applies (asserted below).
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "serve", "--model", str(demo_kit.base_dir),
                              "--port", str(port), "--kv-memory-mb", "32"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**{k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
-                                 "OMP_NUM_THREADS": "1"})  # no operator's OpenMP wait: the launcher's own applies
+                            env=env)
     url = f"http://127.0.0.1:{port}/health"
 
     def wait_ok(timeout=120):
@@ -195,8 +197,10 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
         assert all(os.getpriority(os.PRIO_PROCESS, int(t)) == max(ours, 5) for t in os.listdir(f"/proc/{core}/task"))
         assert os.getpriority(os.PRIO_PROCESS, frontend) == ours and os.sched_getscheduler(frontend) == os.SCHED_OTHER
         # Its OpenMP team spins briefly between parallel regions, then sleeps (launcher.core_wait_policy).
-        core_env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{core}/environ", "rb").read().split(b"\0") if b"=" in kv)
-        assert core_env.get(b"GOMP_SPINCOUNT") == str(CORE_OMP_SPINCOUNT).encode() and b"OMP_WAIT_POLICY" not in core_env
+        with open(f"/proc/{core}/environ", "rb") as f:
+            core_env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert core_env.get(b"GOMP_SPINCOUNT") == str(CORE_OMP_SPINCOUNT).encode()
+        assert b"OMP_WAIT_POLICY" not in core_env
         if autogroup_enabled():  # the kernel shares the CPU by session first: the core's is its own, niced
             assert os.getsid(core) == core and autogroup_nice(core) == 5
             assert os.getsid(frontend) != core and autogroup_nice(frontend) == autogroup_nice(os.getpid())
@@ -319,7 +323,8 @@ def test_a_sink_takes_steps_in_order_never_the_last_and_a_failing_one_loses_noth
     async def serve(client):
         results = {}
         for kind in ("none", "takes", "alternates", "declines", "raises"):
-            results[kind] = await asyncio.gather(*(run(client, f"{kind}{i}", p, kind) for i, p in enumerate(prompts[:4])))
+            runs = (run(client, f"{kind}{i}", p, kind) for i, p in enumerate(prompts[:4]))
+            results[kind] = await asyncio.gather(*runs)
         assert await client.op("num_in_flight") == 0 and await client.op("check_integrity")
         return results
 
