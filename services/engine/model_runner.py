@@ -315,10 +315,12 @@ class ModelRunner:
     def run(self, step: PreparedStep) -> SamplerOutput | None:
         """The forward and the sampling of a prepared step: tensors only, no sequence state."""
         inputs = step.inputs
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, step.lora)
+        # Only the sampled rows' final hidden states are computed past the last layer's attention (`keep`).
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, step.lora,
+                                    keep=inputs.sample_rows)
         if step.batch is None:
             return None
-        logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
+        logits = self.model.logits(hidden)
         if step.masks is not None:  # filled while the forward ran (grammar.MaskFiller)
             step.batch.bitmask = step.masks.result().to(self.device, non_blocking=True)
         return sample(logits, step.batch)

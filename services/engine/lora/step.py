@@ -14,6 +14,7 @@ class StepLora:
     def __init__(self, manager: AdapterManager, token_slots: torch.Tensor,
                  runs: tuple[tuple[int, int, int], ...] | None = None):
         self.manager = manager
+        self.token_slots = token_slots
         cpu = manager.cpu
         if runs is not None and isinstance(cpu, NativeSlotTable):
             # The rows are grouped by slot already (the scheduler sorts them): the native kernel's segments
@@ -25,6 +26,19 @@ class StepLora:
         # CPU: the step's segments (native kernel) or each group's class grids (torch path), planned once
         # for all layers.
         self.cpu_plan = cpu.plan(self.meta) if cpu is not None else None
+
+    def rows(self, keep: torch.Tensor) -> StepLora:
+        """This step's LoRA over the rows `keep` (increasing) only: their slots, in runs where a slot does not
+        recur after another (as the scheduler groups them), planned like a step of their own."""
+        slots = self.token_slots.index_select(0, keep.to(self.token_slots.device))
+        runs: list[list[int]] = []
+        for row, slot in enumerate(slots.tolist()):
+            if runs and runs[-1][0] == slot:
+                runs[-1][2] = row + 1
+            else:
+                runs.append([slot, row, row + 1])
+        grouped = len({r[0] for r in runs}) == len(runs)
+        return StepLora(self.manager, slots, tuple(map(tuple, runs)) if grouped else None)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.cpu_plan is not None:

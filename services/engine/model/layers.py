@@ -149,3 +149,7 @@ class LoraHook(Protocol):
     """
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def rows(self, keep: torch.Tensor) -> "LoraHook":
+        """The same step's hook over a subset of its rows (increasing indices): the forward's last layer runs
+        past attention for the sampled rows only (LlamaModel.forward's `keep`)."""

@@ -103,24 +103,34 @@ class LlamaModel:
         attn: AttnMetadata,
         kv_caches: list[LayerKV],
         lora: LoraHook | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden] -- or, given `keep` (increasing row
+        indices, as the step's sampled rows are), those rows' only [len(keep), hidden]: the last layer computes
+        every row's K/V and attention, then its o projection, MLP and the final norm for the kept rows alone --
+        a prompt chunk's other rows have no logits, and no later layer reads them (`_kept`)."""
         if attn.elementwise is not None:
-            return self._forward_native(attn.elementwise, input_ids, positions, attn, kv_caches, lora)
+            return self._forward_native(attn.elementwise, input_ids, positions, attn, kv_caches, lora, keep)
         cfg = self.config
         h = self.embed_tokens(input_ids)
         tables = self.rope.tables(positions)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = self._project(i, "qkv", layer.qkv, x, lora)
             a = self._attend_torch(qkv, kv_caches[i], attn, tables)
+            if i == last and keep is not None and keep.shape[0] < h.shape[0]:
+                if keep.shape[0] == 0:  # a step of prompt chunks that sample nothing: its K/V was all it had to give
+                    return h.new_empty((0, h.shape[1]))
+                h, a, lora = self._kept(keep, h, a, lora)
             h = h + self.reduce(self._project(i, "o", layer.o, a, lora))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             h = h + self.reduce(self._mlp(i, layer, x, lora))
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def _forward_native(self, ops: ElementwiseOps, input_ids: torch.Tensor, positions: torch.Tensor,
-                        attn: AttnMetadata, kv_caches: list[LayerKV], lora: LoraHook | None) -> torch.Tensor:
+                        attn: AttnMetadata, kv_caches: list[LayerKV], lora: LoraHook | None,
+                        keep: torch.Tensor | None = None) -> torch.Tensor:
         """The forward above with its elementwise work in native passes (CPU, fp32): the residual add fused into
         the next RMSNorm (h is updated in place), RoPE on q and k in place in the qkv output with the K/V rows
         written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer). The same
@@ -131,6 +141,7 @@ class LlamaModel:
         h = self.embed_tokens(input_ids)  # a new tensor: updated in place below
         delta = None
         tables = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, delta, layer.input_norm, eps, nt)
             qkv = self._project(i, "qkv", layer.qkv, x, lora)
@@ -143,9 +154,21 @@ class LlamaModel:
                                   attn.slot_mapping, nt)
                 a = paged_attention(qkv[:, : cfg.q_size].view(-1, nh, hd), None, None, cache, attn,
                                     self.scale).view(-1, cfg.q_size)
+            if i == last and keep is not None and keep.shape[0] < h.shape[0]:
+                if keep.shape[0] == 0:  # a step of prompt chunks that sample nothing: its K/V was all it had to give
+                    return h.new_empty((0, h.shape[1]))
+                h, a, lora = self._kept(keep, h, a, lora)  # h holds this layer's input residual (updated above)
             x = ops.add_rms_norm(h, self.reduce(self._project(i, "o", layer.o, a, lora)), layer.post_norm, eps, nt)
             delta = self.reduce(self._mlp(i, layer, x, lora))
         return ops.add_rms_norm(h, delta, self.norm, eps, nt)
+
+    @staticmethod
+    def _kept(keep: torch.Tensor, h: torch.Tensor, a: torch.Tensor, lora: LoraHook | None):
+        """The last layer's residual, attention output and LoRA hook cut to the kept rows. Everything after the
+        last attention is row-wise (projections, RMSNorm, the MLP, LoRA deltas), so a kept row's hidden state is
+        what the whole batch would give it, up to the GEMM's blocking over fewer rows (the oracle tests hold it
+        to HF's greedy tokens)."""
+        return h.index_select(0, keep), a.index_select(0, keep), (lora.rows(keep) if lora is not None else None)
 
     @staticmethod
     def _project(i: int, name: str, lin: Linear, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:

@@ -113,9 +113,10 @@ class WorkerRunner:
             from services.engine.lora.step import StepLora
 
             lora = StepLora(self.adapters, inputs.token_slots, inputs.lora_runs)
-        hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_caches, lora)
+        hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_caches, lora,
+                                      keep=inputs.sample_rows)  # the rows rank 0 keeps: the reduces must match
         if inputs.sampled:
-            runner.model.logits(hidden.index_select(0, inputs.sample_rows))  # this rank's part of the gather
+            runner.model.logits(hidden)  # this rank's part of the gather
 
 
 def send_stop(channel: StepChannel) -> None:
