@@ -200,16 +200,23 @@ def paged_attention(
     cache: LayerKV,
     meta: AttnMetadata,
     scale: float,
+    wanted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D], or None where the step's K/V rows are in the cache already (the native
-    RoPE pass writes them); cache: [num_blocks, block_size, KVH, D] K and V. Returns [T, H, D]."""
+    RoPE pass writes them); cache: [num_blocks, block_size, KVH, D] K and V. Returns [T, H, D]. `wanted`: the
+    rows whose output is read (the last layer's kept rows, LlamaModel.forward): a decode kernel's group attends
+    those alone, and the other rows of the result are left unset."""
     num_blocks, block_size, kv_heads, head_dim = cache.k.shape
     if k is not None:
         write_kv(k, v, cache, meta)
     out = torch.empty_like(q)
     for group in meta.groups:  # prefill rows, and decode rows (bucketed by context length on the torch path)
         if isinstance(group, DecodeGroup):
-            group.kernel.decode(q, out, cache.k, cache.v, group.rows, group.context_lens, group.block_tables,
+            rows, ctx, tables = group.rows, group.context_lens, group.block_tables
+            if wanted is not None:
+                sel = torch.isin(rows, wanted)
+                rows, ctx, tables = rows[sel], ctx[sel], tables[sel]
+            group.kernel.decode(q, out, cache.k, cache.v, rows, ctx, tables,
                                 scale=scale, window=group.sliding_window, num_threads=group.num_threads,
                                 k_scales=cache.k_scale, v_scales=cache.v_scale)
             continue

@@ -106,9 +106,10 @@ class LlamaModel:
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden] -- or, given `keep` (increasing row
-        indices, as the step's sampled rows are), those rows' only [len(keep), hidden]: the last layer computes
-        every row's K/V and attention, then its o projection, MLP and the final norm for the kept rows alone --
-        a prompt chunk's other rows have no logits, and no later layer reads them (`_kept`)."""
+        indices, as the step's sampled rows are), those rows' only [len(keep), hidden]: the last layer writes
+        every row's K/V, then attends (where a decode kernel attends the rows: paged_attention's `wanted`) and
+        runs its o projection, MLP and the final norm for the kept rows alone -- a prompt chunk's other rows have
+        no logits, and no later layer reads them (`_kept`)."""
         if attn.elementwise is not None:
             return self._forward_native(attn.elementwise, input_ids, positions, attn, kv_caches, lora, keep)
         cfg = self.config
@@ -118,8 +119,9 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = self._project(i, "qkv", layer.qkv, x, lora)
-            a = self._attend_torch(qkv, kv_caches[i], attn, tables)
-            if i == last and keep is not None and keep.shape[0] < h.shape[0]:
+            kept = i == last and keep is not None and keep.shape[0] < h.shape[0]
+            a = self._attend_torch(qkv, kv_caches[i], attn, tables, keep if kept else None)
+            if kept:
                 if keep.shape[0] == 0:  # a step of prompt chunks that sample nothing: its K/V was all it had to give
                     return h.new_empty((0, h.shape[1]))
                 h, a, lora = self._kept(keep, h, a, lora)
@@ -146,15 +148,16 @@ class LlamaModel:
             x = ops.add_rms_norm(h, delta, layer.input_norm, eps, nt)
             qkv = self._project(i, "qkv", layer.qkv, x, lora)
             cache = kv_caches[i]
+            kept = i == last and keep is not None and keep.shape[0] < h.shape[0]
             if cache.is_fp8:
                 tables = tables or self.rope.tables(positions)
-                a = self._attend_torch(qkv, cache, attn, tables)
+                a = self._attend_torch(qkv, cache, attn, tables, keep if kept else None)
             else:
                 ops.rope_write_kv(qkv, nh, nkv, hd, positions, self.rope.cos, self.rope.sin_signed, cache.k, cache.v,
                                   attn.slot_mapping, nt)
-                a = paged_attention(qkv[:, : cfg.q_size].view(-1, nh, hd), None, None, cache, attn,
-                                    self.scale).view(-1, cfg.q_size)
-            if i == last and keep is not None and keep.shape[0] < h.shape[0]:
+                a = paged_attention(qkv[:, : cfg.q_size].view(-1, nh, hd), None, None, cache, attn, self.scale,
+                                    keep if kept else None).view(-1, cfg.q_size)
+            if kept:
                 if keep.shape[0] == 0:  # a step of prompt chunks that sample nothing: its K/V was all it had to give
                     return h.new_empty((0, h.shape[1]))
                 h, a, lora = self._kept(keep, h, a, lora)  # h holds this layer's input residual (updated above)
@@ -179,7 +182,7 @@ class LlamaModel:
         return y
 
     def _attend_torch(self, qkv: torch.Tensor, cache: LayerKV, attn: AttnMetadata,
-                      tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                      tables: tuple[torch.Tensor, torch.Tensor], wanted: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE on q and k in torch (cos / signed sin rows of the step: rope.tables), the K/V write and attention:
         [T, q_size]."""
         cfg = self.config
@@ -187,7 +190,7 @@ class LlamaModel:
         qk = self.rope.rotate(qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *tables)
         q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        return paged_attention(q, k, v.contiguous(), cache, attn, self.scale).view(-1, cfg.q_size)
+        return paged_attention(q, k, v.contiguous(), cache, attn, self.scale, wanted).view(-1, cfg.q_size)
 
     def _mlp(self, i: int, layer: DecoderLayer, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
         """down(silu(gate) * up) of layer i (LoRA deltas included), before the tensor-parallel reduce."""
