@@ -164,7 +164,10 @@ def _run(config, settings, host: str, port: int, advertise_url: str | None, redi
     from services.engine.engine import LLMEngine
     from services.engine.server import create_app
 
+    from services.engine.heap import keep_step_memory
+
     service_process()
+    keep_step_memory()  # the step loop runs in this process (services/engine/heap.py)
     log_config = configure("engine", log_level)
     url = _advertised(host, port, advertise_url)
     # If the step loop ever stops (its state could not be trusted after an error), the process exits so

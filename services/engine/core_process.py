@@ -249,6 +249,9 @@ def run_core(config, address: str, num_threads: int, log_level: str, nice: int =
     die_with_parent()
     service_process()
     configure("engine", log_level)
+    from services.engine.heap import keep_step_memory
+
+    keep_step_memory()  # before the model's first step: its tensors' pages are reused, not faulted in afresh
     if nice:
         lower_group_priority(nice, who="engine core")  # else, under autogroup, the niceness below orders nothing
         lower_cpu_priority(nice, batch_policy=True, who="engine core")
