@@ -137,8 +137,7 @@ class LlamaModel:
         the next RMSNorm (h is updated in place), RoPE on q and k in place in the qkv output with the K/V rows
         written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer), silu(gate) * up in
         one pass. The same operations as the torch path; only RMSNorm's sum of squares and SiLU's exp differ in
-        rounding
-        (tests/engine/kernels/test_elementwise_native.py, test_attention_native.py, the oracle tests)."""
+        rounding (tests/engine/kernels/test_elementwise_native.py, test_attention_native.py, the oracle tests)."""
         cfg, eps, nt = self.config, self.config.rms_norm_eps, attn.num_threads
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed_tokens(input_ids)  # a new tensor: updated in place below
