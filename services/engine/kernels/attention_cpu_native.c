@@ -53,7 +53,7 @@
 enum { OK = 0, BAD_SHAPE = 1, BAD_ROW = 2, BAD_CONTEXT = 3, BAD_BLOCK = 4, TOO_LARGE = 5, BAD_SLOT = 6,
        BLOCK_TWICE = 7, NO_MEMORY = 8 };
 
-int mplex_attn_abi_version(void) { return 4; }
+int mplex_attn_abi_version(void) { return 3; }
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
@@ -877,60 +877,6 @@ int mplex_rope_write_kv(float *qkv, int64_t ld, int64_t n_tokens, int64_t num_he
             kd[i] = fabsf(ks[i]) <= limit ? ks[i] : 0.0f;
             vd[i] = fabsf(vs[i]) <= limit ? vs[i] : 0.0f;
         }
-    }
-    return OK;
-}
-
-/* -- the MLP's activation: silu(gate) * up in one pass ------------------------------------------------------ */
-
-/* exp(x) on eight lanes for any x: the polynomial of exp8_nonpos, x clamped to [-87, 89]: +inf from ln(FLT_MAX)
-   ~88.72 on, as expf overflows (silu(g) = g / (1 + exp(-g)) is then -0, or NaN at g = -inf, as torch's is); below
-   -87 a normal ~1.6e-38, where expf goes subnormal -- 1 + exp(-g) rounds to 1 either way. NaN lanes stay NaN. */
-static inline vf8 exp8_any(vf8 x)
-{
-    const vf8 lo = splat8(-87.0f), hi = splat8(89.0f);
-    x = select8(x < lo, lo, x);
-    x = select8(x > hi, hi, x);
-    vf8 fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
-    vi8 n = __builtin_convertvector(fx, vi8);
-    vf8 nf = __builtin_convertvector(n, vf8);
-    n += (vi8)(nf > fx); /* -1 where truncation rounded up: floor */
-    nf = __builtin_convertvector(n, vf8);
-    x = x - nf * splat8(0.693359375f) - nf * splat8(-2.12194440e-4f);
-    vf8 z = x * x;
-    vf8 y = splat8(1.9875691500e-4f);
-    y = y * x + splat8(1.3981999507e-3f);
-    y = y * x + splat8(8.3334519073e-3f);
-    y = y * x + splat8(4.1665795894e-2f);
-    y = y * x + splat8(1.6666665459e-1f);
-    y = y * x + splat8(5.0000001201e-1f);
-    y = y * z + x + splat8(1.0f);
-    vi8 bits = (n + 126) << 23; /* 2^(n - 1), then 2: n reaches 128 near the top */
-    vf8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale * splat8(2.0f);
-}
-
-/* out[t][i] = silu(gu[t][i]) * gu[t][I + i], silu(g) = g / (1 + exp(-g)) as torch computes it, for the fused
-   [gate; up] projection's output gu [T, 2 I] (rows ldg apart) into out [T, I] (rows ldo apart): torch's
-   F.silu(gate).mul_(up) read the gate half, wrote a tensor, read it and the up half again and wrote it once
-   more. exp to ~1e-7 relative, like torch's SLEEF expf. Returns 0, or an error code. */
-int mplex_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t n_rows, int64_t I,
-                   int64_t nthreads)
-{
-    if (n_rows < 0 || I <= 0 || ldg < 2 * I || ldo < I)
-        return BAD_SHAPE;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_rows * I >= 16384)
-    for (int64_t t = 0; t < n_rows; t++) {
-        const float *g = gu + t * ldg, *u = g + I;
-        float *o = out + t * ldo;
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            const vf8 gv = load8(g + i);
-            store8(o + i, gv / (splat8(1.0f) + exp8_any(-gv)) * load8(u + i));
-        }
-        for (; i < I; i++)
-            o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     return OK;
 }

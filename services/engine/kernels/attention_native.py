@@ -21,7 +21,7 @@ from services.engine.kernels.native_build import NativeKernelUnavailable, librar
 from services.engine.model.attention import KV_LIMIT
 
 SOURCE = Path(__file__).with_name("attention_cpu_native.c")
-ABI_VERSION = 4
+ABI_VERSION = 3
 # The C source's stack buffers: query heads per kv head, head width, block size.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 
@@ -64,10 +64,7 @@ class NativeAttention:
         rope = lib.mplex_rope_write_kv
         rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_float, i64]
         rope.restype = ctypes.c_int
-        silu = lib.mplex_silu_mul
-        silu.argtypes = [ptr, i64, ptr, i64, i64, i64, i64]
-        silu.restype = ctypes.c_int
-        self._norm, self._rope, self._silu = norm, rope, silu
+        self._norm, self._rope = norm, rope
         self._lib = lib
 
     @staticmethod
@@ -158,19 +155,6 @@ class NativeAttention:
         if rc:
             raise ValueError(f"native RMSNorm refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
         return x
-
-    def silu_mul(self, gate_up: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """silu(gate) * up of the fused [gate; up] projection's output [T, 2 I] (fp32, unit inner stride), in one
-        pass into a new [T, I] tensor (torch's F.silu(gate).mul_(up) made two, and an intermediate)."""
-        _rows(gate_up, "gate_up")
-        if gate_up.shape[1] % 2:
-            raise ValueError(f"gate_up must hold two halves, got width {gate_up.shape[1]}")
-        inter = gate_up.shape[1] // 2
-        out = torch.empty((gate_up.shape[0], inter), dtype=torch.float32)
-        rc = self._silu(gate_up.data_ptr(), _ld(gate_up), out.data_ptr(), inter, gate_up.shape[0], inter, num_threads)
-        if rc:
-            raise ValueError(f"native SiLU refused its operands: {_ERRORS.get(rc, f'error {rc}')}")
-        return out
 
     def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, positions: torch.Tensor,
                       cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -63,8 +63,6 @@ class ElementwiseOps(Protocol):
     def rope_write_kv(self, qkv, num_heads: int, kv_heads: int, head_dim: int, positions, cos, sin_signed, k_cache,
                       v_cache, slot_mapping, num_threads: int) -> None: ...
 
-    def silu_mul(self, gate_up, num_threads: int): ...
-
 
 @dataclass(slots=True)
 class AttnGroup:

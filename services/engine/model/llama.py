@@ -135,9 +135,9 @@ class LlamaModel:
                         keep: torch.Tensor | None = None) -> torch.Tensor:
         """The forward above with its elementwise work in native passes (CPU, fp32): the residual add fused into
         the next RMSNorm (h is updated in place), RoPE on q and k in place in the qkv output with the K/V rows
-        written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer), silu(gate) * up in
-        one pass. The same operations as the torch path; only RMSNorm's sum of squares and SiLU's exp differ in
-        rounding (tests/engine/kernels/test_elementwise_native.py, test_attention_native.py, the oracle tests)."""
+        written to the cache in the same pass (an fp8 cache keeps torch's RoPE and its writer). The same
+        operations as the torch path; only RMSNorm's sum of squares differs in rounding
+        (tests/engine/kernels/test_elementwise_native.py, test_attention_native.py, the oracle tests)."""
         cfg, eps, nt = self.config, self.config.rms_norm_eps, attn.num_threads
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed_tokens(input_ids)  # a new tensor: updated in place below
@@ -162,7 +162,7 @@ class LlamaModel:
                     return h.new_empty((0, h.shape[1]))
                 h, a, lora = self._kept(keep, h, a, lora)  # h holds this layer's input residual (updated above)
             x = ops.add_rms_norm(h, self.reduce(self._project(i, "o", layer.o, a, lora)), layer.post_norm, eps, nt)
-            delta = self.reduce(self._mlp(i, layer, x, lora, ops, nt))
+            delta = self.reduce(self._mlp(i, layer, x, lora))
         return ops.add_rms_norm(h, delta, self.norm, eps, nt)
 
     @staticmethod
@@ -192,17 +192,10 @@ class LlamaModel:
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         return paged_attention(q, k, v.contiguous(), cache, attn, self.scale, wanted).view(-1, cfg.q_size)
 
-    def _mlp(self, i: int, layer: DecoderLayer, x: torch.Tensor, lora: LoraHook | None,
-             ops: ElementwiseOps | None = None, num_threads: int = 1) -> torch.Tensor:
-        """down(silu(gate) * up) of layer i (LoRA deltas included), before the tensor-parallel reduce; the
-        activation in one native pass where the step has the native elementwise ops."""
-        gate_up = self._project(i, "gate_up", layer.gate_up, x, lora)
-        if ops is not None:
-            act = ops.silu_mul(gate_up, num_threads)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
-        return self._project(i, "down", layer.down, act, lora)
+    def _mlp(self, i: int, layer: DecoderLayer, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
+        """down(silu(gate) * up) of layer i (LoRA deltas included), before the tensor-parallel reduce."""
+        gate, up = self._project(i, "gate_up", layer.gate_up, x, lora).chunk(2, dim=-1)
+        return self._project(i, "down", layer.down, F.silu(gate).mul_(up), lora)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, Fp8Weight):

@@ -1,5 +1,5 @@
 """The native library's elementwise passes (kernels/attention_cpu_native.c: RMSNorm with the residual add, RoPE
-with the K/V write, the MLP's silu(gate) * up) against the torch ops the decoder runs without them (model/layers.py, model/rope.py,
+with the K/V write) against the torch ops the decoder runs without them (model/layers.py, model/rope.py,
 model/attention.py): RoPE, the residual add and the cache rows bit for bit, RMSNorm to rounding; their
 refusals. The engine's greedy tokens with them are checked against the torch path in test_attention_native.py
 and against transformers in the oracle tests."""
@@ -96,34 +96,7 @@ def test_rope_write_kv_refuses_an_index_out_of_range_and_writes_nothing(lib, bad
     assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 40), inter=st.integers(1, 100), pad=st.sampled_from([0, 5]),
-       scale=st.sampled_from([1e-3, 1.0, 30.0]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
-def test_silu_mul_is_torchs_silu_times_up(lib, n, inter, pad, scale, threads, seed):
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = _wide(n, 2 * inter, pad, gen, scale)
-    gate, up = gate_up.chunk(2, dim=-1)
-    want = torch.nn.functional.silu(gate) * up
-    got = lib.silu_mul(gate_up, threads)
-    assert got.shape == (n, inter) and got.is_contiguous()
-    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
-
-
-def test_silu_mul_at_the_edges_of_exp(lib):
-    """Gates where exp(-g) under- or overflows, zeros, infinities and NaN: torch's values (NaN where torch's is)."""
-    g = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 87.5, -87.5, 88.5, -88.5, 100.0, -100.0, 1e30, -1e30,
-                      float("inf"), float("-inf"), float("nan"), 3.0], dtype=torch.float32)
-    up = torch.linspace(-2, 2, g.shape[0])
-    gate_up = torch.cat([g, up])[None].repeat(3, 1)
-    want = torch.nn.functional.silu(gate_up[:, : g.shape[0]]) * gate_up[:, g.shape[0]:]
-    torch.testing.assert_close(lib.silu_mul(gate_up, 2), want, rtol=4e-7, atol=1e-30, equal_nan=True)
-
-
 def test_the_passes_refuse_misshapen_operands(lib):
-    with pytest.raises(ValueError, match="two halves"):
-        lib.silu_mul(torch.randn(2, 7), 1)
-    with pytest.raises(ValueError, match="gate_up must"):
-        lib.silu_mul(torch.randn(2, 8, dtype=torch.float64), 1)
     with pytest.raises(ValueError, match="weight"):
         lib.add_rms_norm(torch.randn(2, 8), None, torch.randn(7), 1e-6, 1)
     with pytest.raises(ValueError, match="delta"):
