@@ -3,7 +3,7 @@ tens of MB a step at a 2,048-token prefill. glibc gives blocks over its mmap thr
 returns a freed heap top to the kernel past its trim threshold, so step tensors kept coming back as fresh pages
 -- a page fault and a zeroed page each: 39-102k minor faults and 0.03-0.30 s of system time in a 256-request cold
 burst of the core's loop (bench/serving_bench.py's model; docs/engine.md). Kept in the heap they are reused:
-0.4-1k faults, ~0.01 s, and the loop's CPU 5.3-5.7 -> 5.0-5.2 s a burst."""
+0.4-1.5k faults, ~0.01 s, and the loop's CPU 5.3-5.7 -> 5.0-5.2 s a burst."""
 from __future__ import annotations
 
 import ctypes
