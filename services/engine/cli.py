@@ -162,9 +162,8 @@ def _run(config, settings, host: str, port: int, advertise_url: str | None, redi
     from services.common.logging import configure
     from services.engine.async_engine import AsyncEngine
     from services.engine.engine import LLMEngine
-    from services.engine.server import create_app
-
     from services.engine.heap import keep_step_memory
+    from services.engine.server import create_app
 
     service_process()
     keep_step_memory()  # the step loop runs in this process (services/engine/heap.py)

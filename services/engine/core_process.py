@@ -244,13 +244,12 @@ def run_core(config, address: str, num_threads: int, log_level: str, nice: int =
     from services.common.gc_tuning import freeze_startup_heap, service_process
     from services.common.logging import configure
 
+    from services.engine.heap import keep_step_memory
     from services.engine.process_life import die_with_parent
 
     die_with_parent()
     service_process()
     configure("engine", log_level)
-    from services.engine.heap import keep_step_memory
-
     keep_step_memory()  # before the model's first step: its tensors' pages are reused, not faulted in afresh
     if nice:
         lower_group_priority(nice, who="engine core")  # else, under autogroup, the niceness below orders nothing

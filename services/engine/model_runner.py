@@ -17,6 +17,7 @@ from services.engine.config import KV_SCALE_DTYPE
 from services.engine.grammar import MaskFiller
 from services.engine.kernels.kv_fp8 import FP8_KV_DTYPE, Fp8WritePlan
 from services.engine.kv.copies import BlockCopy, CopyKind, copy_batches
+from services.engine.lora.step import slot_runs
 from services.engine.model.attention import (AttnGroup, AttnMetadata, DecodeGroup, DecodeKernel, Fp8Writer, LayerKV,
                                              build_group, split_into_decode_rows)
 from services.engine.model.layers import LoraHook
@@ -350,20 +351,8 @@ def _block_tables(scheduled: list[ScheduledSeq]) -> torch.Tensor:
 
 
 def _slot_runs(scheduled: list[ScheduledSeq]) -> tuple[tuple[int, int, int], ...] | None:
-    """(slot, first row, end row) of each run of rows sharing an adapter slot, or None if a slot recurs
-    after another (the rows are then not grouped by slot)."""
-    runs: list[list[int]] = []
-    row = 0
-    for s in scheduled:
-        end = row + s.num_new_tokens
-        if runs and runs[-1][0] == s.lora_slot:
-            runs[-1][2] = end
-        else:
-            runs.append([s.lora_slot, row, end])
-        row = end
-    if len({r[0] for r in runs}) != len(runs):
-        return None
-    return tuple(map(tuple, runs))
+    """The step's rows in runs of one adapter slot (lora/step.slot_runs), or None if they are not grouped."""
+    return slot_runs((s.lora_slot, s.num_new_tokens) for s in scheduled)
 
 
 def _attention_buckets(lens: torch.Tensor, ctx: torch.Tensor, block_size: int, max_buckets: int = 4) -> list[torch.Tensor]:

@@ -8,6 +8,22 @@ from services.engine.lora.manager import AdapterManager
 from services.engine.lora.native_slots import NativeSlotTable
 
 
+def slot_runs(rows) -> tuple[tuple[int, int, int], ...] | None:
+    """(slot, first row, end row) of each run of rows sharing an adapter slot, from (slot, row count) pairs in row
+    order, or None if a slot recurs after another (the rows are then not grouped by slot)."""
+    runs: list[list[int]] = []
+    row = 0
+    for slot, n in rows:
+        if runs and runs[-1][0] == slot:
+            runs[-1][2] = row + n
+        else:
+            runs.append([slot, row, row + n])
+        row += n
+    if len({r[0] for r in runs}) != len(runs):
+        return None
+    return tuple(map(tuple, runs))
+
+
 class StepLora:
     """Implements the model's LoraHook for one forward step."""
 
@@ -31,14 +47,7 @@ class StepLora:
         """This step's LoRA over the rows `keep` (increasing) only: their slots, in runs where a slot does not
         recur after another (as the scheduler groups them), planned like a step of their own."""
         slots = self.token_slots.index_select(0, keep.to(self.token_slots.device))
-        runs: list[list[int]] = []
-        for row, slot in enumerate(slots.tolist()):
-            if runs and runs[-1][0] == slot:
-                runs[-1][2] = row + 1
-            else:
-                runs.append([slot, row, row + 1])
-        grouped = len({r[0] for r in runs}) == len(runs)
-        return StepLora(self.manager, slots, tuple(map(tuple, runs)) if grouped else None)
+        return StepLora(self.manager, slots, slot_runs((slot, 1) for slot in slots.tolist()))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.cpu_plan is not None:
