@@ -152,6 +152,9 @@ class Quotas:
         self._settle_sha: str | None = None
         self._settles: list[tuple[Reservation, int, asyncio.Future]] = []
         self._settling = False
+        self._reserves: list[tuple[list[str], list, asyncio.Future]] = []
+        self._reserving = False
+        self._releasing: set[asyncio.Task] = set()
 
     def _keys(self, scope: Scope, now: float) -> dict[str, str]:
         minute = int(now // 60)
@@ -164,17 +167,57 @@ class Quotas:
             "monthly_tokens": f"{base}:tok:{month}",
         }
 
-    async def _eval(self, which: str, keys: list[str], args: list) -> list:
-        sha_attr, src = ("_reserve_sha", self._reserve_src) if which == "reserve" else ("_settle_sha", self._settle_src)
-        sha = getattr(self, sha_attr)
-        if sha is None:
-            sha = await self.redis.script_load(src)
-            setattr(self, sha_attr, sha)
+    async def _reserve_eval(self, keys: list[str], args: list) -> list:
+        """The reserve script's answer for one request. Concurrent reserves share one pipelined round trip, as
+        settles do: at saturation (256 streamed requests at once) one EVALSHA per request -- a pooled connection
+        checked out under a timeout, a health-check ping on one idle past its interval, a write and a read each --
+        was a fifth of the gateway's event-loop CPU, ahead of relaying the tokens themselves. A request waits for
+        at most the batch it joined (the loop's current iteration)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._reserves.append((keys, args, fut))
+        if not self._reserving:
+            self._reserving = True
+            loop.create_task(self._flush_reserves())
+        return await fut
+
+    async def _flush_reserves(self) -> None:
         try:
-            return await self.redis.evalsha(sha, len(keys), *keys, *args)
-        except NoScriptError:  # Redis restarted and lost its script cache
-            setattr(self, sha_attr, None)
-            return await self._eval(which, keys, args)
+            while self._reserves:
+                await asyncio.sleep(0)  # let the reserves of this loop iteration join the batch
+                batch, self._reserves = self._reserves[:512], self._reserves[512:]
+                try:
+                    if self._reserve_sha is None:
+                        self._reserve_sha = await self.redis.script_load(self._reserve_src)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for keys, args, _ in batch:
+                            pipe.evalsha(self._reserve_sha, len(keys), *keys, *args)
+                        results = await pipe.execute(raise_on_error=False)
+                except (RedisError, OSError) as exc:  # the store is down: every request of the batch hears it
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                retry = []
+                for (keys, args, fut), r in zip(batch, results):
+                    if isinstance(r, NoScriptError):  # Redis restarted and lost its script cache
+                        self._reserve_sha = None
+                        retry.append((keys, args, fut))
+                    elif fut.done():  # its request was cancelled (the client hung up) while the batch ran
+                        if not isinstance(r, Exception) and int(r[0]) == 1:  # held for nobody: released now
+                            self._release_task(Reservation(args[1], 0, {}))
+                    elif isinstance(r, Exception):
+                        fut.set_exception(r)
+                    else:
+                        fut.set_result(r)
+                self._reserves = retry + self._reserves
+        finally:
+            self._reserving = False
+
+    def _release_task(self, reservation: Reservation) -> None:
+        task = asyncio.get_running_loop().create_task(self.settle(reservation, 0))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, now: float | None = None, *,
                       concurrency: int = 1) -> Reservation:
@@ -207,7 +250,7 @@ class Quotas:
         args[3] = len(checks)
         try:
             await self._seed_months(scopes, now)
-            result = await self._eval("reserve", keys, args)
+            result = await self._reserve_eval(keys, args)
         except (RedisError, OSError) as exc:
             if self.fail_open:
                 return Reservation(request_id, tokens, {}, enforced=False)

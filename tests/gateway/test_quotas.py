@@ -317,3 +317,65 @@ def test_concurrency_must_be_positive(service_urls, prefix):
             await q.redis.aclose()
 
     run(main())
+
+
+def test_reserves_of_one_moment_share_a_round_trip_and_survive_a_lost_script_cache(service_urls, redis_client, prefix):
+    """Concurrent reserves go to Redis as one pipeline (Quotas._flush_reserves): each still gets its own answer --
+    here admitted up to the concurrency limit and refused after --, also when Redis has lost its scripts (a
+    restart) between two batches: the batch is sent again with the script reloaded."""
+    now = MINUTE + 5.0
+    conc = f"{prefix}:tenant:tb:conc"
+
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        scope = [Scope("tenant", "tb", Limits(concurrent=7, requests_per_min=1000))]
+        first = await q.reserve("warm", scope, 1, now=now)  # loads the script
+        await q.settle(first, 1)
+        await q.redis.script_flush()
+
+        async def one(i: int):
+            try:
+                return await q.reserve(f"b{i}", scope, 10, now=now)
+            except QuotaExceeded as exc:
+                return exc
+
+        results = await asyncio.gather(*(one(i) for i in range(20)))
+        held = await q.redis.zcard(conc)
+        await asyncio.gather(*(q.settle(r, 3) for r in results if not isinstance(r, QuotaExceeded)))
+        after = await q.redis.zcard(conc)
+        await q.redis.aclose()
+        return results, held, after
+
+    results, held, after = run(main())
+    admitted = [r for r in results if not isinstance(r, QuotaExceeded)]
+    assert len(admitted) == 7 and held == 7 and after == 0
+    assert {r.window for r in results if isinstance(r, QuotaExceeded)} == {"concurrent"}
+    assert [r.request_id for r in admitted] == [f"b{i}" for i in range(7)]  # in the order they were asked
+
+
+def test_a_reserve_cancelled_while_its_batch_runs_is_released(service_urls, redis_client, prefix):
+    """A request whose client hangs up while its reservation is in flight must not hold the tenant's concurrency
+    and tokens until the reservation's hour-long TTL: the batch releases what it reserved for nobody."""
+    now = MINUTE + 7.0
+    conc, tpm = f"{prefix}:tenant:tx:conc", f"{prefix}:tenant:tx:tpm:{int((MINUTE + 7.0) // 60)}"
+
+    async def main():
+        q = await _quotas(service_urls.redis_url, prefix)
+        scope = [Scope("tenant", "tx", Limits(concurrent=3, tokens_per_min=10_000))]
+        kept = asyncio.ensure_future(q.reserve("kept", scope, 40, now=now))
+        gone = asyncio.ensure_future(q.reserve("gone", scope, 50, now=now))
+        await asyncio.sleep(0)  # both queued for the same batch
+        gone.cancel()
+        reservation = await kept
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        for _ in range(100):  # the release is a settle of its own, right after the batch
+            if await q.redis.zcard(conc) == 1:
+                break
+            await asyncio.sleep(0.01)
+        state = (await q.redis.zcard(conc), int(await q.redis.get(tpm)), await q.redis.exists(f"{prefix}:res:gone"))
+        await q.settle(reservation, 40)
+        await q.redis.aclose()
+        return state
+
+    assert run(main()) == (1, 40, 0)
