@@ -193,7 +193,9 @@ class Quotas:
                         for keys, args, _ in batch:
                             pipe.evalsha(self._reserve_sha, len(keys), *keys, *args)
                         results = await pipe.execute(raise_on_error=False)
-                except (RedisError, OSError) as exc:  # the store is down: every request of the batch hears it
+                except Exception as exc:  # noqa: BLE001 -- every request of the batch hears it; none is left waiting
+                    # RedisError/OSError: the store is down (the caller's fail-open/closed decides); anything else is
+                    # a fault of this batch, raised to its requests rather than leaving them parked forever.
                     for _, _, fut in batch:
                         if not fut.done():
                             fut.set_exception(exc)
