@@ -35,6 +35,13 @@ async def _quotas(url: str, prefix: str, **kw) -> Quotas:
     return Quotas(make_redis(url, max_connections=32), prefix=prefix, **kw)
 
 
+async def _reserve_or_refusal(q: Quotas, request_id: str, scope: list[Scope], tokens: int, now: float):
+    try:
+        return await q.reserve(request_id, scope, tokens, now=now)
+    except QuotaExceeded as exc:
+        return exc
+
+
 def test_concurrent_reservations_never_exceed_the_token_limit_and_settle_to_zero(service_urls, redis_client, prefix):
     limit = 10_000
 
@@ -43,13 +50,7 @@ def test_concurrent_reservations_never_exceed_the_token_limit_and_settle_to_zero
         scope = [Scope("tenant", "t1", Limits(tokens_per_min=limit, concurrent=50))]
         now = 1_800_000_000.0  # one fixed minute window for the whole test
 
-        async def one(i: int):
-            try:
-                return await q.reserve(f"r{i}", scope, 137, now=now)
-            except QuotaExceeded as exc:
-                return exc
-
-        results = await asyncio.gather(*(one(i) for i in range(200)))
+        results = await asyncio.gather(*(_reserve_or_refusal(q, f"r{i}", scope, 137, now) for i in range(200)))
         admitted = [r for r in results if not isinstance(r, QuotaExceeded)]
         refused = [r for r in results if isinstance(r, QuotaExceeded)]
         assert 137 * len(admitted) <= limit
@@ -333,13 +334,7 @@ def test_reserves_of_one_moment_share_a_round_trip_and_survive_a_lost_script_cac
         await q.settle(first, 1)
         await q.redis.script_flush()
 
-        async def one(i: int):
-            try:
-                return await q.reserve(f"b{i}", scope, 10, now=now)
-            except QuotaExceeded as exc:
-                return exc
-
-        results = await asyncio.gather(*(one(i) for i in range(20)))
+        results = await asyncio.gather(*(_reserve_or_refusal(q, f"b{i}", scope, 10, now) for i in range(20)))
         held = await q.redis.zcard(conc)
         await asyncio.gather(*(q.settle(r, 3) for r in results if not isinstance(r, QuotaExceeded)))
         after = await q.redis.zcard(conc)
