@@ -39,6 +39,10 @@ class BatchPrincipal:
     plan: str
     cache_salt: str  # the tenant's prefix-cache salt, derived server-side as for its live requests
 
+    @property
+    def tenant(self) -> str:  # as KeyPrincipal.tenant
+        return str(self.tenant_id)
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:

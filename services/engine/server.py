@@ -22,6 +22,7 @@ from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, STREAMS
 from services.common.gc_tuning import freeze_startup_heap
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from services.common.internal_auth import InternalAuthMiddleware
+from services.common.logging import FASTAPI_TELEMETRY
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
 from services.common.openai_protocol import (
     ChatCompletionRequest,
@@ -56,7 +57,7 @@ def create_app(engine: AsyncEngine | CoreClient, *, engine_tokens: Sequence[str]
     """`engine_tokens`: the accepted platform credentials (services.common.internal_auth), required on every
     endpoint but /health."""
     server = EngineServer(engine, registry_url=registry_url, advertise_url=advertise_url)
-    app = FastAPI(title="Multiplex engine", lifespan=server.lifespan)
+    app = FastAPI(title="Multiplex engine", lifespan=server.lifespan, telemetry=FASTAPI_TELEMETRY)
     app.add_middleware(InternalAuthMiddleware, tokens=engine_tokens)
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     app.state.engine = engine

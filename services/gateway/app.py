@@ -18,6 +18,7 @@ from services.billing.pricing import Pricer
 from services.common.errors import ApiError
 from services.common.gc_tuning import freeze_startup_heap
 from services.common.http_limits import RequestLimits
+from services.common.logging import FASTAPI_TELEMETRY
 from services.common.openai_protocol import error_body, validation_error_body
 from services.common.settings import Settings
 from services.common.streaming import install_body_send
@@ -69,14 +70,13 @@ class _MetricsMiddleware:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             if path not in ("/metrics", "/health", "/ready") and "app" in scope:
-                m = scope["app"].state.gw.metrics
-                m.requests.labels(route=path, status=str(status[0])).inc()
-                m.duration.labels(route=path).observe(time.perf_counter() - t0)
+                scope["app"].state.gw.metrics.observe_request(path, status[0], time.perf_counter() - t0)
 
 
 def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: Path | None = WEB_DIST) -> FastAPI:
     """The gateway's app: wiring only. `gateway`: ready-made state (tests); otherwise built at startup."""
-    app = FastAPI(title="Multiplex gateway", lifespan=_lifespan(settings, gateway), version="1")
+    app = FastAPI(title="Multiplex gateway", lifespan=_lifespan(settings, gateway), version="1",
+                  telemetry=FASTAPI_TELEMETRY)
     _install_error_handlers(app)
     app.add_middleware(_MetricsMiddleware)
     # Adapter uploads stream their bodies under the adapter pipeline's own (much larger) limits.
@@ -84,6 +84,7 @@ def create_app(settings: Settings, *, gateway: Gateway | None = None, web_dist: 
                        streaming_paths=UPLOAD_PATHS)
     install_security_headers(app, hsts=settings.session_cookie_secure)
     install_body_send(app)  # last: outside every middleware
+    app.include_router(openai.generation)  # first: the hot routes are matched before any other
     app.include_router(_probes)
     for module in (openai, batches, auth, tenant, tenant_batches, tenant_usage, playground, admin, admin_engines, finance, adapters):
         app.include_router(module.router)

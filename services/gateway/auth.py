@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 import orjson
@@ -46,9 +46,18 @@ class KeyPrincipal:
     key_limits: Limits
     cache_salt: str  # derived server-side from the secret key and the tenant id; never client-controlled
     suspended: bool = False
+    # Derived once per principal (which the key cache keeps for its TTL), not once or more per request.
+    tenant: str = field(init=False, repr=False, compare=False)  # str(tenant_id): log fields, wire, router, scopes
+    _scopes: tuple[Scope, Scope] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tenant = str(self.tenant_id)
+        object.__setattr__(self, "tenant", tenant)
+        object.__setattr__(self, "_scopes", (Scope("tenant", tenant, self.tenant_limits),
+                                             Scope("key", str(self.key_id), self.key_limits)))
 
     def quota_scopes(self) -> list[Scope]:
-        return [Scope("tenant", str(self.tenant_id), self.tenant_limits), Scope("key", str(self.key_id), self.key_limits)]
+        return list(self._scopes)
 
     def to_json(self) -> bytes:
         return orjson.dumps({

@@ -23,10 +23,11 @@ class GatewayMetrics:
         self.in_flight = Gauge("mplex_gateway_requests_in_flight", "Open generation requests", registry=r)
         self.spool_depth = Gauge("mplex_gateway_usage_spool_depth", "Usage events waiting for Postgres", registry=r)
         self.ledger_writes = Counter("mplex_gateway_ledger_writes_total", "Usage events written", ["via"], registry=r)
-        for kind in ("prompt", "cached", "completion"):
-            self.tokens.labels(kind=kind)
-        for met in ("true", "false"):
-            self.slo.labels(met=met)
+        # Children of the per-request labels, looked up once: `labels()` costs a lock and a dict walk each call.
+        self.prompt_tokens, self.cached_tokens, self.completion_tokens = (
+            self.tokens.labels(kind=kind) for kind in ("prompt", "cached", "completion"))
+        self._slo_met = {met: self.slo.labels(met="true" if met else "false") for met in (True, False)}
+        self._routes: dict[tuple[str, int], tuple] = {}
         for kind in ("connect", "refused", "stream", "overloaded"):
             self.upstream_errors.labels(kind=kind)
 
@@ -37,4 +38,13 @@ class GatewayMetrics:
             self.tpot.observe(tpot)
         if ttft is not None:
             met = ttft <= self.slo_ttft_s and (tpot is None or tpot <= self.slo_tpot_s)
-            self.slo.labels(met="true" if met else "false").inc()
+            self._slo_met[met].inc()
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        """One request's count and duration by route template (a bounded set) and status."""
+        children = self._routes.get((route, status))
+        if children is None:
+            children = self._routes[(route, status)] = (self.requests.labels(route=route, status=str(status)),
+                                                        self.duration.labels(route=route))
+        children[0].inc()
+        children[1].observe(seconds)

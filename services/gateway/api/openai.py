@@ -25,6 +25,7 @@ from services.common.errors import (
     ServiceUnavailableError,
 )
 from services.common.ids import new_request_id
+from services.common.json_route import JsonBodyRoute
 from services.common.keys import SCOPE_INFERENCE
 from services.common.logging import bind
 from services.common.engine_wire import AdapterSpec, GenerateRequest
@@ -53,12 +54,16 @@ async def list_models(request: Request):
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/chat/completions")
+# The two generation endpoints: FastAPI's body parsing without its per-request dependency solving (json_route.py).
+generation = APIRouter(route_class=JsonBodyRoute)
+
+
+@generation.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     return await _generate("chat", req, request)
 
 
-@router.post("/v1/completions")
+@generation.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     return await _generate("completion", req, request)
 
@@ -148,9 +153,9 @@ class Call:
             tpot = ((rec.finished_ms / 1000 - ttft) / (u.completion_tokens - 1)) if ttft is not None and u.completion_tokens > 1 else None
             via = await gw.meter.record(rec)
             m = gw.metrics
-            m.tokens.labels(kind="prompt").inc(u.prompt_tokens)
-            m.tokens.labels(kind="cached").inc(rec.cached_tokens)
-            m.tokens.labels(kind="completion").inc(u.completion_tokens)
+            m.prompt_tokens.inc(u.prompt_tokens)
+            m.cached_tokens.inc(rec.cached_tokens)
+            m.completion_tokens.inc(u.completion_tokens)
             if status == "ok":
                 m.observe_generation(ttft, tpot)
             if gw.pricer is not None:
@@ -158,7 +163,7 @@ class Call:
             log.info(
                 "request finished",
                 extra={"request_id": self.request_id, "client_request_id": self.client_request_id,
-                       "tenant": str(self.principal.tenant_id), "model": self.resolved.requested, "status": status,
+                       "tenant": self.principal.tenant, "model": self.resolved.requested, "status": status,
                        "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                        "engine_id": rec.engine_id, "ledger": via},
             )
@@ -180,12 +185,12 @@ async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, r
     request_id = new_request_id()
     client_id = request.headers.get("x-client-request-id") or request.headers.get("x-request-id")
     client_id = client_id if client_id and _CLIENT_ID.match(client_id) else None
-    bind(request_id=request_id, client_request_id=client_id, tenant=str(principal.tenant_id))
+    bind(request_id=request_id, client_request_id=client_id, tenant=principal.tenant)
     engines = await gw.registry.engines(resolved.base.name)
     # Every engine refused this tenant's class as overloaded a moment ago (Router.refused): the request is refused
     # below like any other that no engine took, but without a quota reservation (two Redis round trips) or an
     # engine exchange -- under overload these refusals come in floods and each must be quick and cheap.
-    held = gw.router.held_everywhere([e.id for e in engines], str(principal.tenant_id), req.priority_class.name.lower())
+    held = gw.router.held_everywhere([e.id for e in engines], principal.tenant, req.priority_class.name.lower())
     reservation = None if held is not None else await _reserve(gw, principal, plan, request_id)
     call = Call(gw, principal, resolved, plan, reservation, request_id, client_id, accepted_at, t0,
                  [StreamResult() for _ in plan.jobs])
@@ -302,7 +307,7 @@ def _wire_request(gw, principal, req, job, adapter, request_id: str, client_id: 
         priority=req.priority_class.name.lower(),
         cache_salt=principal.cache_salt,
         # Fair sharing on the engines: who it is for and its plan's weight (never client-set).
-        tenant=str(principal.tenant_id),
+        tenant=principal.tenant,
         weight=gw.settings.plan_weight(principal.plan),
         client_request_id=client_id,
         adapter=(AdapterSpec.model_construct(content_id=adapter.content_sha256, name=f"{adapter.name}@{adapter.version}",
