@@ -8,6 +8,7 @@ from importlib import metadata
 from pathlib import Path
 
 import aiohttp
+import hiredis
 import redis.asyncio as aioredis
 from redis.driver_info import DriverInfo
 from sqlalchemy.orm import Session, sessionmaker
@@ -61,7 +62,29 @@ def make_redis(url: str, max_connections: int = 256) -> aioredis.Redis:
         url, max_connections=max_connections, timeout=5, socket_timeout=2, socket_connect_timeout=2,
         health_check_interval=10, driver_info=_DRIVER_INFO,
     )
+    pool.connection_class = _hiredis_packing(pool.connection_class)  # the URL's scheme chose TCP, TLS or a socket
     return aioredis.Redis(connection_pool=pool)
+
+
+def _hiredis_packing(connection_class: type) -> type:
+    """`connection_class` packing its commands in C (hiredis, which already parses the replies). redis-py's asyncio
+    connection packs each argument in Python: for a quota reservation's EVALSHA (two dozen arguments) that was 4% of
+    the gateway loop's time while it admitted a burst of requests."""
+
+    class HiredisPacking(connection_class):
+        def pack_command(self, *args) -> list[bytes]:
+            head = args[0]  # a command given as one string ("CLIENT SETINFO") is sent as its words, as redis-py does
+            if isinstance(head, str):
+                args = (*head.encode().split(), *args[1:])
+            elif b" " in head:
+                args = (*head.split(), *args[1:])
+            for arg in args:
+                if arg is None or isinstance(arg, bool):  # what redis-py's encoder refuses, refused the same way
+                    self.encoder.encode(arg)
+            return [hiredis.pack_command(args)]
+
+    HiredisPacking.__name__ = HiredisPacking.__qualname__ = f"HiredisPacking{connection_class.__name__}"
+    return HiredisPacking
 
 
 WARM_REDIS_CONNECTIONS = 64
