@@ -239,20 +239,34 @@ async def stream_sse(
 
     if direct is not None and len(plan.jobs) == 1 and not plan.want_logprobs and not plan.parses_tool_calls:
         direct.render = render
+    # The stream's last chunk (its last choice's finish) is held and sent with the usage chunk and [DONE]: one write
+    # to the connection where there were three.
+    last: bytes = b""
+    last_sent: tuple[int, int] | None = None  # (choice, tokens) that `last` carries, counted once it is sent
+    unfinished = len(plan.jobs)
     try:
         async for delta, u in items:
             if u is not None:
                 usage.add(u)
             pending[delta.index] += len(delta.token_ids)
             if delta.text or delta.finish_reason or delta.logprobs:
-                yield sse(builder.chunk(delta))
+                chunk = sse(builder.chunk(delta))
+                if delta.finish_reason:
+                    unfinished -= 1
+                    if unfinished == 0:
+                        last, last_sent = chunk, (delta.index, pending[delta.index])
+                        pending[delta.index] = 0
+                        continue
+                yield chunk
                 if on_sent is not None:
                     on_sent(delta.index, pending[delta.index])
                 pending[delta.index] = 0
     except (InvalidRequest, EngineUnavailable) as exc:
         if on_error is not None:
             on_error(exc)
-        yield sse(error_of(exc))
+        yield last + sse(error_of(exc))
+        if on_sent is not None and last_sent is not None:
+            on_sent(*last_sent)
         return
     finally:
         if direct is not None:
@@ -260,9 +274,10 @@ async def stream_sse(
         await _close(items)  # a client that hangs up aborts every choice upstream at once
     if on_usage is not None:
         on_usage(usage)
-    if plan.request.include_usage:
-        yield sse(builder.usage_chunk(usage))
-    yield b"data: [DONE]\n\n"
+    tail = last + sse(builder.usage_chunk(usage)) if plan.request.include_usage else last
+    yield tail + b"data: [DONE]\n\n"
+    if on_sent is not None and last_sent is not None:
+        on_sent(*last_sent)
 
 
 async def collect(

@@ -268,15 +268,13 @@ def _direct_step(direct: DirectBody, engine: EngineInfo, index: int, result: Str
     does not parse: the relay says what is wrong with it)."""
     if not direct.ready():
         return False
-    try:
-        item = StreamItem.decode(line)
-    except ValueError:
+    step = StreamItem.step_of(line)
+    if step is None:
         return False
-    if item.error is not None or item.usage is not None or item.finish_reason is not None or item.logprobs is not None:
-        return False
-    direct.offer(_delta(item, index))
-    result.delivered_tokens += len(item.token_ids)
-    if result.first_token_at is None and item.token_ids:
+    text, token_ids = step
+    direct.offer(Delta(index, text, token_ids, None, None))
+    result.delivered_tokens += len(token_ids)
+    if result.first_token_at is None and token_ids:
         result.first_token_at = clock()
     return True
 
