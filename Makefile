@@ -110,7 +110,7 @@ test: model $(TOOLS) web chromium
 
 # The request-path fuzzers (hypothesis over every field, straight to engines and through the gateway) and
 # schemathesis, longer and freshly seeded; every engine must still be serving after every case.
-FUZZ_TESTS := tests/engine/test_fuzz_contract.py tests/gateway/test_fuzz_http.py tests/gateway/test_schemathesis.py
+FUZZ_TESTS := tests/engine/test_fuzz_contract.py tests/gateway/test_fuzz_http.py tests/gateway/test_schemathesis.py tests/gateway/test_json_route.py
 fuzz: model
 	@MPLEX_FUZZ_SCALE=$${MPLEX_FUZZ_SCALE:-20} $(PY) -m pytest -q -s -p no:cacheprovider $(FUZZ_TESTS)
 
