@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import ORJSONResponse
 from starlette.background import BackgroundTask
@@ -143,30 +142,31 @@ class Call:
         if self.done:
             return
         self.done = True
-        with anyio.CancelScope(shield=True):  # a client hanging up must not cancel the money path
-            gw = self.gw
-            u = self.usage(server_failed=http_status >= 500)
-            if self.reservation is not None:
-                await gw.quotas.settle(self.reservation, u.prompt_tokens + u.completion_tokens)
-            rec = self.usage_record(u, status, http_status, error_code)
-            ttft = self.first_token_s()
-            tpot = ((rec.finished_ms / 1000 - ttft) / (u.completion_tokens - 1)) if ttft is not None and u.completion_tokens > 1 else None
-            via = await gw.meter.record(rec)
-            m = gw.metrics
-            m.prompt_tokens.inc(u.prompt_tokens)
-            m.cached_tokens.inc(rec.cached_tokens)
-            m.completion_tokens.inc(u.completion_tokens)
-            if status == "ok":
-                m.observe_generation(ttft, tpot)
-            if gw.pricer is not None:
-                m.billed.inc(gw.pricer.price_record(rec))
-            log.info(
-                "request finished",
-                extra={"request_id": self.request_id, "client_request_id": self.client_request_id,
-                       "tenant": self.principal.tenant, "model": self.resolved.requested, "status": status,
-                       "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                       "engine_id": rec.engine_id, "ledger": via},
-            )
+        # No shield: a hang-up cancels the response's task once (asyncio delivers a cancellation once, and the
+        # streamed response cancels nothing else -- services.common.streaming), so these awaits run after it.
+        gw = self.gw
+        u = self.usage(server_failed=http_status >= 500)
+        if self.reservation is not None:
+            await gw.quotas.settle(self.reservation, u.prompt_tokens + u.completion_tokens)
+        rec = self.usage_record(u, status, http_status, error_code)
+        ttft = self.first_token_s()
+        tpot = ((rec.finished_ms / 1000 - ttft) / (u.completion_tokens - 1)) if ttft is not None and u.completion_tokens > 1 else None
+        via = await gw.meter.record(rec)
+        m = gw.metrics
+        m.prompt_tokens.inc(u.prompt_tokens)
+        m.cached_tokens.inc(rec.cached_tokens)
+        m.completion_tokens.inc(u.completion_tokens)
+        if status == "ok":
+            m.observe_generation(ttft, tpot)
+        if gw.pricer is not None:
+            m.billed.inc(gw.pricer.price_record(rec))
+        log.info(
+            "request finished",
+            extra={"request_id": self.request_id, "client_request_id": self.client_request_id,
+                   "tenant": self.principal.tenant, "model": self.resolved.requested, "status": status,
+                   "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                   "engine_id": rec.engine_id, "ledger": via},
+        )
 
 
 async def _generate(kind: str, req: ChatCompletionRequest | CompletionRequest, request: Request):
