@@ -92,6 +92,24 @@ def test_quota_exactness_under_200_concurrent_requests(stack, demo_kit, db):
     assert sum(window) == used  # reservations were replaced by actual usage, exactly
 
 
+def test_a_client_leaving_right_after_done_is_still_settled_and_metered(stack, demo_kit, db):
+    """The SDK stops reading at `data: [DONE]` and closes the response before the chunked body's end, which the
+    gateway sends only after settling the quota and writing the ledger row: that hang-up must not cancel them."""
+    import openai
+
+    tenant = make_tenant(db)
+    client = openai.OpenAI(base_url=f"{stack.gw.url}/v1", api_key=make_api_key(db, tenant=tenant).secret,
+                           max_retries=0, timeout=60)
+    n = 12
+    for i in range(n):
+        chunks = list(client.completions.create(model=demo_kit.model_name, prompt=f"hello {i}", max_tokens=4,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    rows = _ledger(db, tenant.id, n)
+    assert len(rows) == n and all(r.status == "ok" for r in rows)
+    _assert_quota_state_clean(stack, tenant.id)
+
+
 @pytest.mark.parametrize("logprobs", [0, None], ids=["logprobs", "fast-path"])
 def test_disconnect_storm_frees_engines_settles_quotas_and_meters_delivered_tokens(stack, demo_kit, db, logprobs):
     """With logprobs each chunk says how many tokens it carries; without, the gateway's fast path (chunks written

@@ -67,6 +67,9 @@ async def completions(req: CompletionRequest, request: Request):
     return await _generate("completion", req, request)
 
 
+_SETTLING: set[asyncio.Task] = set()  # Call.finalize's money paths in flight
+
+
 @dataclasses.dataclass
 class Call:
     """One request's bookkeeping, finalized exactly once whatever way it ends. The batch runner
@@ -142,8 +145,15 @@ class Call:
         if self.done:
             return
         self.done = True
-        # No shield: a hang-up cancels the response's task once (asyncio delivers a cancellation once, and the
-        # streamed response cancels nothing else -- services.common.streaming), so these awaits run after it.
+        # The money path runs in a task of its own that a cancellation of this one does not reach: a streamed
+        # response's task is cancelled when its client hangs up, and a client that has read `[DONE]` hangs up
+        # while this settles the quota and writes the ledger row (tests/gateway/test_spec_usage.py lost that row).
+        task = asyncio.ensure_future(self._settle_and_meter(status, http_status, error_code))
+        _SETTLING.add(task)  # held until done: a task only the loop refers to may be collected mid-way
+        task.add_done_callback(_SETTLING.discard)
+        await asyncio.shield(task)
+
+    async def _settle_and_meter(self, status: str, http_status: int, error_code: str | None) -> None:
         gw = self.gw
         u = self.usage(server_failed=http_status >= 500)
         if self.reservation is not None:
