@@ -43,8 +43,7 @@ async def unless_disconnected(request: Request, coro):
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client hangs up (the body has been read: the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _hangup(request.receive)
 
 
 # A ConnectionWriter, put in the scope by our HTTP protocol (services.common.http_limits.HeadLimitedHttpTools).
@@ -165,9 +164,9 @@ class ClosingStreamingResponse(StreamingResponse):
     Starlette (under an ASGI server older than spec 2.4, as uvicorn is) runs each streamed response in an anyio
     task group: a second task, a cancel scope and its bookkeeping, each asking asyncio for the current task (and
     CPython 3.11 making a getpid system call for each): 6-7% of the busy event loop of the engine's front-end and
-    of the gateway while they streamed bursts of 256 requests (py-spy). asyncio's cancellation is delivered once,
-    so the body's own `finally` (aborting the request upstream, settling its quota) runs its awaits after a
-    hang-up without a shield."""
+    of the gateway while they streamed bursts of 256 requests (py-spy). The hang-up cancels the streaming task
+    once; a hang-up that comes while the body's own `finally` runs (a client that stops at `[DONE]` hangs up
+    there) interrupts that `finally`'s awaits, so what must complete runs shielded (the gateway's Call.finalize)."""
 
     _body_send = None
 
@@ -226,7 +225,7 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 async def _hangup(receive) -> None:
-    """Returns when the ASGI server reports the client gone (or the response complete: uvicorn says
-    `http.disconnect` then too, which comes after the streaming has ended)."""
+    """Returns when the ASGI server reports the client gone (or, for a streamed response, the response complete:
+    uvicorn says `http.disconnect` then too, which comes after the streaming has ended)."""
     while (await receive())["type"] != "http.disconnect":
         pass
