@@ -6,7 +6,8 @@
                        stop strings, NDJSON/SSE; one asyncio thread each
 
 A front-end that dies is started again; the core drops its requests when the new one says `Hello` and goes
-on serving the others. A core that dies is reported by every front-end at once (`/health` says `dead`, its
+on serving the others. One that cannot start (it dies before it ever served, three times running) stops the
+engine with a non-zero exit instead of a restart loop that never ends and never serves. A core that dies is reported by every front-end at once (`/health` says `dead`, its
 streams end with an engine fault) and the launcher then stops the front-ends and exits non-zero, so that
 whatever runs it (`make up`'s supervisor, Kubernetes) starts a fresh engine. Children die with the launcher
 (PR_SET_PDEATHSIG): a SIGKILLed engine leaves no orphan holding its port.
@@ -20,6 +21,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,7 @@ class FrontendSpec:
     log_level: str
 
 
-def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
+def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket, ready) -> None:
     from services.engine.process_life import die_with_parent
 
     die_with_parent()
@@ -51,13 +53,19 @@ def run_frontend(index: int, spec: FrontendSpec, sock: socket.socket) -> None:
     from services.engine.core_client import CoreClient
     from services.engine.server import create_app
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # the app's lifespan ran (it met the core) and the socket is served
+                ready.set()
+
     service_process()
     log_config = configure("engine", spec.log_level)
     app = create_app(CoreClient(spec.address, f"frontend-{index}"), engine_tokens=spec.engine_tokens,
                      registry_url=spec.registry_url if index == 0 else None, advertise_url=spec.advertise_url,
                      max_body_bytes=spec.max_body_bytes, max_header_bytes=spec.max_header_bytes)
     config = uvicorn.Config(app, log_config=log_config, http=http_protocol(spec.max_header_bytes), **spec.uvicorn)
-    uvicorn.Server(config).run(sockets=[sock])
+    Server(config).run(sockets=[sock])
 
 
 # How long (libgomp spin iterations, ~20 ns each here) the core's idle OpenMP threads spin before they sleep.
@@ -90,31 +98,74 @@ def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends:
     core.start()
     sock = _listen(host, port)
 
-    def start(i: int):
-        p = ctx.Process(target=run_frontend, args=(i, spec, sock), name=f"engine-frontend-{i}", daemon=False)
+    def start(i: int) -> _Frontend:
+        ready = ctx.Event()
+        p = ctx.Process(target=run_frontend, args=(i, spec, sock, ready), name=f"engine-frontend-{i}", daemon=False)
         p.start()
-        return p
+        return _Frontend(p, ready, time.monotonic())
 
     procs = [start(i) for i in range(frontends)]
-    log.info("engine core pid %d, front-ends %s on %s:%d", core.pid, [p.pid for p in procs], host, port)
+    log.info("engine core pid %d, front-ends %s on %s:%d", core.pid, [f.proc.pid for f in procs], host, port)
     return _supervise(core, procs, start)
 
 
-def _supervise(core, procs: list, start) -> int:
+# A front-end that dies before it ever served is started again START_FAILURES_MAX - 1 times, each after a
+# longer pause (START_BACKOFF_S, doubling); then the launcher gives up and exits non-zero, so that its own
+# supervisor (`make up`, Kubernetes) sees a broken engine rather than one forever starting. A front-end that
+# served and then died is started again at once -- unless it keeps dying within QUICK_DEATH_S of its start:
+# then the same doubling pause (at most RESTART_BACKOFF_MAX_S), never giving up, the core serving the others.
+START_FAILURES_MAX = 3
+START_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 10.0
+QUICK_DEATH_S = 10.0
+
+
+@dataclass(slots=True)
+class _Frontend:
+    proc: Any  # multiprocessing.Process
+    ready: Any  # multiprocessing.Event, set once it serves
+    started: float  # time.monotonic()
+
+
+def _supervise(core, frontends: list[_Frontend], start) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stopping.append(s))
     status = 0
-    while not stopping:
-        ready = multiprocessing.connection.wait([core.sentinel, *(p.sentinel for p in procs)], timeout=0.5)
-        if core.sentinel in ready:
+    failures = [0] * len(frontends)  # consecutive deaths of each: before serving, or soon after its start
+    due: dict[int, float] = {}  # front-ends waiting out a pause before they start again
+    while not stopping and status == 0:
+        now = time.monotonic()
+        timeout = min([0.5, *(max(0.0, t - now) for t in due.values())])
+        live = [f.proc.sentinel for i, f in enumerate(frontends) if i not in due]
+        ended = multiprocessing.connection.wait([core.sentinel, *live], timeout=timeout)
+        if core.sentinel in ended:
             log.error("engine core exited (%s): stopping the front-ends", core.exitcode)
             status = 1
             break
-        for i, p in enumerate(procs):
-            if p.sentinel in ready and not stopping:
-                log.error("front-end %d exited (%s): starting it again; the core goes on", i, p.exitcode)
-                procs[i] = start(i)
+        now = time.monotonic()
+        for i, f in enumerate(frontends):
+            if stopping or status:
+                break
+            if i in due:
+                if now >= due[i]:
+                    del due[i]
+                    frontends[i] = start(i)
+                continue
+            if f.proc.sentinel not in ended:
+                continue
+            served = f.ready.is_set()
+            failures[i] = failures[i] + 1 if not served or now - f.started < QUICK_DEATH_S else 0
+            if not served and failures[i] >= START_FAILURES_MAX:
+                log.error("front-end %d exited (%s) before it ever served, %d times running: stopping the engine",
+                          i, f.proc.exitcode, failures[i])
+                status = 1
+                break
+            pause = min(START_BACKOFF_S * 2 ** (failures[i] - 1), RESTART_BACKOFF_MAX_S) if failures[i] else 0.0
+            log.error("front-end %d exited (%s)%s: starting it again in %.1f s; the core goes on", i,
+                      f.proc.exitcode, "" if served else " before it served", pause)
+            due[i] = now + pause
+    procs = [f.proc for i, f in enumerate(frontends) if i not in due]
     for p in procs:  # front-ends first: they leave the registry and finish their streams
         if p.is_alive():
             p.terminate()

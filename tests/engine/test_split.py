@@ -17,7 +17,8 @@ from services.common.prompting import PromptBuilder
 from services.common.wire import EngineFailed, EngineUnavailable, InvalidRequest
 from services.engine.async_engine import AsyncEngine
 from services.engine.core_client import CoreClient
-from services.engine.launcher import CORE_OMP_SPINCOUNT, core_wait_policy
+from services.engine.launcher import (CORE_OMP_SPINCOUNT, START_BACKOFF_S, START_FAILURES_MAX, FrontendSpec,
+                                      core_wait_policy, serve)
 from services.engine.sequence import SamplingParams
 from tests.common.test_cpu_priority import autogroup_nice
 from tests.engine.conftest import collect, make_config, make_engine, split_engine
@@ -213,6 +214,33 @@ def test_the_launcher_survives_a_front_end_and_exits_with_its_core(demo_kit, tmp
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_front_end_that_cannot_start_stops_the_launcher_instead_of_restarting_forever(demo_kit, caplog):
+    """A front-end that dies before it ever serves (here: an HTTP server option that does not exist) is tried
+    START_FAILURES_MAX times, after growing pauses; then the launcher stops its core and exits non-zero, so
+    that its own supervisor sees a broken engine rather than one that never becomes ready."""
+    import logging
+    import multiprocessing
+    import time
+
+    spec = FrontendSpec(address="", engine_tokens=("t" * 32,), registry_url=None, advertise_url="http://127.0.0.1:9",
+                        max_body_bytes=2**20, max_header_bytes=2**14, uvicorn={"no_such_option": 1},
+                        log_level="warning")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    began = time.monotonic()
+    try:
+        with caplog.at_level(logging.ERROR, logger="mplex.engine.launcher"):
+            status = serve(make_config(demo_kit.base_dir), spec, host="127.0.0.1", port=0, frontends=1, core_threads=1)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert status == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "mplex.engine.launcher"]
+    assert sum("before it served: starting it again" in m for m in said) == START_FAILURES_MAX - 1, said
+    assert sum("before it ever served" in m and "stopping the engine" in m for m in said) == 1, said
+    assert time.monotonic() - began >= START_BACKOFF_S * (2 ** (START_FAILURES_MAX - 1) - 1)  # it paused between
+    assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("engine-")]  # core stopped too
 
 
 @pytest.mark.parametrize("operator", [{}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}])
