@@ -22,6 +22,7 @@ from services.common.engine_wire import (COALESCE_HEADER, GENERATE_PATH, STREAMS
 from services.common.gc_tuning import freeze_startup_heap
 from services.common.http_limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from services.common.internal_auth import InternalAuthMiddleware
+from services.common.json_route import JsonBodyRoute
 from services.common.logging import FASTAPI_TELEMETRY
 from services.common.lora_format import AdapterFormatError, content_id as adapter_content_id
 from services.common.openai_protocol import (
@@ -67,9 +68,12 @@ def create_app(engine: AsyncEngine | CoreClient, *, engine_tokens: Sequence[str]
         ("GET", "/metrics", server.metrics), ("GET", "/v1/models", server.models),
         ("POST", "/internal/v1/adapters", server.load_adapter), ("GET", "/internal/v1/adapters", server.list_adapters),
         ("DELETE", "/internal/v1/adapters/{name}", server.unload_adapter),
-        ("POST", "/v1/completions", server.completions), ("POST", "/v1/chat/completions", server.chat),
     ):
         app.add_api_route(path, endpoint, methods=[method])
+    # The OpenAI endpoints answer every request of a direct client: FastAPI's parsing and errors without its
+    # per-request dependency solving (services.common.json_route). FastAPI.add_api_route takes no route class.
+    for path, endpoint in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat)):
+        app.router.add_api_route(path, endpoint, methods=["POST"], route_class_override=JsonBodyRoute)
     # The wire version is checked before the body is validated: a newer gateway's body may not parse here.
     app.add_api_route(GENERATE_PATH, server.generate, methods=["POST"], dependencies=[Depends(_wire_version)])
 
