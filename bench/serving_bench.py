@@ -407,9 +407,12 @@ def main() -> None:
         "http": lambda: _over_http(lambda: start_engine(model, adapters, 1)),
         "http_one_process": lambda: _over_http(lambda: start_engine(model, adapters, 0)),
     }
-    # The core at the front-ends' priority (`--core-nice 0`), run only when named in MPLEX_BENCH_SERVING_SYSTEMS:
-    # what the default niceness costs or gains the serving path on this machine.
-    extra_systems = {"http_core_nice0": lambda: _over_http(lambda: start_engine(model, adapters, 1, ("--core-nice", "0")))}
+    # Run only when named in MPLEX_BENCH_SERVING_SYSTEMS: the core at the front-ends' priority (`--core-nice 0`),
+    # and the core's torch team at one thread and at two (docs/engine.md, "Threads and cores"): what the defaults
+    # cost or gain the serving path on this machine.
+    extra_systems = {"http_core_nice0": lambda: _over_http(lambda: start_engine(model, adapters, 1, ("--core-nice", "0"))),
+                     "http_core_threads1": lambda: _over_http(lambda: start_engine(model, adapters, 1, ("--core-threads", "1"))),
+                     "http_core_threads2": lambda: _over_http(lambda: start_engine(model, adapters, 1, ("--core-threads", "2")))}
     if VLLM_PY.exists():
         systems["vllm_cpu"] = lambda: _over_http(lambda: start_vllm(model, adapters))
     else:
