@@ -7,9 +7,10 @@
 
 A front-end that dies is started again; the core drops its requests when the new one says `Hello` and goes
 on serving the others. One that cannot start (it dies before it ever served, three times running) stops the
-engine with a non-zero exit instead of a restart loop that never ends and never serves. A core that dies is reported by every front-end at once (`/health` says `dead`, its
-streams end with an engine fault) and the launcher then stops the front-ends and exits non-zero, so that
-whatever runs it (`make up`'s supervisor, Kubernetes) starts a fresh engine. Children die with the launcher
+engine with a non-zero exit instead of a restart loop that never ends and never serves. A core that dies is
+reported by every front-end at once (`/health` says `dead`, its streams end with an engine fault) and the
+launcher then stops the front-ends and exits non-zero, so that whatever runs it (`make up`'s supervisor,
+Kubernetes) starts a fresh engine. Children die with the launcher
 (PR_SET_PDEATHSIG): a SIGKILLed engine leaves no orphan holding its port.
 """
 from __future__ import annotations
