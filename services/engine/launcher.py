@@ -105,9 +105,9 @@ def serve(engine_config, spec: FrontendSpec, *, host: str, port: int, frontends:
         p.start()
         return _Frontend(p, ready, time.monotonic())
 
-    procs = [start(i) for i in range(frontends)]
-    log.info("engine core pid %d, front-ends %s on %s:%d", core.pid, [f.proc.pid for f in procs], host, port)
-    return _supervise(core, procs, start)
+    children = [start(i) for i in range(frontends)]
+    log.info("engine core pid %d, front-ends %s on %s:%d", core.pid, [f.proc.pid for f in children], host, port)
+    return _supervise(core, children, start)
 
 
 # A front-end that dies before it ever served is started again START_FAILURES_MAX - 1 times, each after a
